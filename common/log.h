@@ -1,0 +1,45 @@
+// The one logging wrapper (spdlog). Every line about a job, stage or micro-batch
+// carries those ids as `job=… stage=… mb=…` so that logs of many workers can be
+// grepped together.
+//
+// Thread safety: all functions may be called from any thread.
+#ifndef PIPPY_COMMON_LOG_H_
+#define PIPPY_COMMON_LOG_H_
+
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "spdlog/spdlog.h"
+
+namespace pippy::log {
+
+enum class Level { kDebug, kInfo, kWarn, kError, kOff };
+
+// Configures the process-wide logger: `component` names the program ("coordinator",
+// "worker-3", "pippyctl"); lines go to stderr. Safe to call more than once.
+void Init(const std::string& component, Level level = Level::kInfo);
+
+// Parses "debug|info|warn|error|off".
+absl::Status ParseLevel(const std::string& text, Level* level);
+
+template <typename... Args>
+void Debug(fmt::format_string<Args...> f, Args&&... args) {
+  spdlog::debug(f, std::forward<Args>(args)...);
+}
+template <typename... Args>
+void Info(fmt::format_string<Args...> f, Args&&... args) {
+  spdlog::info(f, std::forward<Args>(args)...);
+}
+template <typename... Args>
+void Warn(fmt::format_string<Args...> f, Args&&... args) {
+  spdlog::warn(f, std::forward<Args>(args)...);
+}
+template <typename... Args>
+void Error(fmt::format_string<Args...> f, Args&&... args) {
+  spdlog::error(f, std::forward<Args>(args)...);
+}
+
+}  // namespace pippy::log
+
+#endif  // PIPPY_COMMON_LOG_H_
