@@ -26,14 +26,20 @@ std::string TorchErrorMessage(const c10::Error& e);
 
 // Runs `fn` and converts any exception into absl::Status `code` prefixed by `context`.
 // `fn` returns void, absl::Status, T or absl::StatusOr<T>.
+namespace internal {
+template <typename T>
+struct IsStatusOr : std::false_type {};
+template <typename T>
+struct IsStatusOr<absl::StatusOr<T>> : std::true_type {};
+}  // namespace internal
+
 template <typename Fn>
 auto TorchCall(absl::string_view context, Fn&& fn,
                absl::StatusCode code = absl::StatusCode::kInvalidArgument) {
   using R = std::invoke_result_t<Fn>;
   using Out = std::conditional_t<
       std::is_void_v<R> || std::is_same_v<R, absl::Status>, absl::Status,
-      std::conditional_t<std::is_constructible_v<absl::Status, R>, R,
-                         absl::StatusOr<R>>>;
+      std::conditional_t<internal::IsStatusOr<R>::value, R, absl::StatusOr<R>>>;
   auto fail = [&](const std::string& what) -> Out {
     return absl::Status(code, absl::StrCat(context, ": ", what));
   };

@@ -1,0 +1,62 @@
+// The partitioner: the C++ counterpart of torch.distributed.pipelining.pipeline().
+//
+//   auto model = LoadModel("m.pt");
+//   SplitOptions opts; opts.num_stages = 4;               // or opts.split_at = {...}
+//   absl::StatusOr<Pipe> pipe = SplitModel(*model, opts);
+//   pipe->stages[s].forward(...)                          // run a stage in process
+//   WritePipe(*pipe, "out/")                              // stage_N.pt + plan.json
+//
+// Split points come, in this order of precedence, from `split_at` (module paths),
+// from PipeSplit marker modules in the model, or from an automatic balanced split
+// into `num_stages` stages. SplitModel does not modify `model`.
+#ifndef PIPPY_PIPELINE_PARTITION_PARTITION_H_
+#define PIPPY_PIPELINE_PARTITION_PARTITION_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "proto/plan.pb.h"
+#include "torch/script.h"
+
+namespace pippy::partition {
+
+enum class Balance {
+  kParams,  // equal parameter bytes
+  kFlops,   // equal estimated FLOPs, from the shapes seen with the example input
+  kTime,    // equal measured forward time on the example input
+};
+
+// "params" | "flops" | "time"
+absl::StatusOr<Balance> ParseBalance(const std::string& text);
+std::string BalanceName(Balance balance);
+
+struct SplitOptions {
+  std::vector<std::string> split_at;  // explicit split points; see CutsFromSplitAt
+  int num_stages = 0;                 // automatic split (0: markers, or one stage)
+  Balance balance = Balance::kParams;
+  // forward() arguments of an example batch: fills the plan's shapes and activation
+  // bytes; required by kFlops and kTime.
+  std::vector<c10::IValue> example_inputs;
+  std::string model_name;             // recorded in the plan
+};
+
+struct Pipe {
+  PipelinePlan plan;
+  std::vector<torch::jit::Module> stages;  // standalone; see stage_builder.h
+};
+
+// Errors: INVALID_ARGUMENT for anything about the model or the options (unknown split
+// points, illegal cuts, too many stages, calls that cannot be inlined, an example
+// input that does not fit), with a message that says what to do.
+absl::StatusOr<Pipe> SplitModel(const torch::jit::Module& model, const SplitOptions& options);
+
+// Writes stage_<N>.pt for every stage and plan.json into `dir` (created if needed).
+absl::Status WritePipe(const Pipe& pipe, const std::string& dir);
+
+// The plan as JSON (protobuf's JSON mapping, field names as in plan.proto).
+std::string PlanToJson(const PipelinePlan& plan);
+
+}  // namespace pippy::partition
+
+#endif  // PIPPY_PIPELINE_PARTITION_PARTITION_H_
