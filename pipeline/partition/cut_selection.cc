@@ -131,7 +131,7 @@ absl::StatusOr<std::vector<int>> CutsFromSplitAt(const ModelGraph& mg,
       return absl::InvalidArgumentError(absl::StrCat(
           "split point '", spec, "': the model has no module '", path, "'; nearest names: ",
           absl::StrJoin(NearestModulePaths(mg, path), ", "),
-          " (`pippyctl split MODEL --stages 1` lists what forward() calls)"));
+          " (`pippyctl split MODEL --list-cuts` lists where the model can be cut)"));
     }
     int c = after ? it->second.second + 1 : it->second.first;
     if (c <= 0 || c >= mg.num_ops()) {

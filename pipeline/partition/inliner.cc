@@ -10,6 +10,8 @@
 #include "common/torch_status.h"
 #include "torch/csrc/jit/api/function_impl.h"
 #include "torch/csrc/jit/ir/scope.h"
+#include "torch/csrc/jit/ir/constants.h"
+#include "torch/csrc/jit/passes/constant_propagation.h"
 #include "torch/csrc/jit/passes/dead_code_elimination.h"
 #include "torch/csrc/jit/passes/lower_tuples.h"
 
@@ -152,6 +154,18 @@ class Inliner {
   std::vector<Node*> markers_;
 };
 
+bool HasSetAttr(const std::shared_ptr<Graph>& graph) {
+  bool found = false;
+  std::function<void(Block*)> walk = [&](Block* b) {
+    for (Node* n : b->nodes()) {
+      if (n->kind() == prim::SetAttr) found = true;
+      for (Block* inner : n->blocks()) walk(inner);
+    }
+  };
+  walk(graph->block());
+  return found;
+}
+
 // Moves every prim::GetAttr chain from self to the top of the graph, so that stage
 // graphs can rebuild them against the stage module's own types. Reads of attributes
 // that forward() also writes (prim::SetAttr) stay where they are.
@@ -183,6 +197,37 @@ void HoistAttributeReads(const std::shared_ptr<Graph>& graph) {
   }
 }
 
+// Replaces reads of scalar configuration attributes (ints, floats, bools, strings,
+// lists of them — e.g. ReLU's `inplace`, Conv2d's `padding_mode`) by constants and
+// folds what they decide (`if self.inplace:`), so that alias analysis sees what the
+// model really does. `training` stays a real attribute; so do attributes that
+// forward() writes.
+void FoldConfigurationAttributes(std::shared_ptr<Graph>& graph, const torch::jit::Module& model) {
+  Value* self = graph->inputs()[0];
+  std::vector<Node*> reads;
+  for (Node* n : graph->nodes()) {
+    if (n->kind() == prim::GetAttr) reads.push_back(n);
+  }
+  for (Node* n : reads) {
+    const std::string name = n->s(c10::attr::name);
+    if (name == "training") continue;
+    auto path = AttributePath(n->input(0), self);
+    if (!path) continue;
+    torch::jit::Module owner = model;
+    for (const std::string& p : *path) owner = owner.attr(p).toModule();
+    c10::IValue value = owner.attr(name);
+    if (value.isTensor() || value.isModule() || value.isObject() || value.isNone()) continue;
+    if (n->output()->type()->kind() == c10::TypeKind::OptionalType) continue;
+    torch::jit::WithInsertPoint guard(n);
+    auto constant = torch::jit::tryInsertConstant(*graph, value);
+    if (!constant) continue;
+    n->output()->replaceAllUsesWith(*constant);
+    n->destroy();
+  }
+  torch::jit::ConstantPropagationImmutableTypes(graph);
+  torch::jit::EliminateDeadCode(graph);
+}
+
 }  // namespace
 
 std::string ModulePath(const Node* node) {
@@ -211,6 +256,7 @@ absl::StatusOr<InlinedForward> InlineForward(const torch::jit::Module& model) {
     torch::jit::LowerSimpleTuples(out.graph);
     torch::jit::EliminateDeadCode(out.graph);
     HoistAttributeReads(out.graph);
+    if (!HasSetAttr(out.graph)) FoldConfigurationAttributes(out.graph, model);
     // Markers become cut positions; the identity call itself disappears.
     std::unordered_set<Node*> marker_set(inliner.markers().begin(), inliner.markers().end());
     for (Node* marker : inliner.markers()) {

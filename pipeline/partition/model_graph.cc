@@ -17,6 +17,14 @@ using torch::jit::Node;
 using torch::jit::Value;
 namespace prim = c10::prim;
 
+bool ContainsTensor(const c10::TypePtr& type) {
+  if (type->kind() == c10::TypeKind::TensorType) return true;
+  for (const c10::TypePtr& t : type->containedTypes()) {
+    if (ContainsTensor(t)) return true;
+  }
+  return false;
+}
+
 bool IsTensorType(const c10::TypePtr& type) { return type->kind() == c10::TypeKind::TensorType; }
 
 std::string DescribeValue(const Value* v) {
@@ -110,6 +118,16 @@ absl::Status ModelGraph::Analyze() {
       is_free = std::all_of(n->inputs().begin(), n->inputs().end(),
                             [&](Value* v) { return free_.count(v->node()) > 0; }) &&
                 !alias_db.hasWriters(n->output());
+    }
+    // Pure computations on attributes and constants that give no tensors (e.g.
+    // Conv2d's `padding_mode != "zeros"`) are recomputed wherever they are needed.
+    if (!is_free && n->blocks().empty() && !n->inputs().empty() && !n->hasSideEffects() &&
+        std::all_of(n->inputs().begin(), n->inputs().end(),
+                    [&](Value* v) { return free_.count(v->node()) > 0; }) &&
+        std::none_of(n->outputs().begin(), n->outputs().end(), [&](Value* v) {
+          return ContainsTensor(v->type()) || alias_db.hasWriters(v);
+        })) {
+      is_free = true;
     }
     if (n->kind() == prim::GetAttr && !AttributePath(n->output(), self())) is_free = false;
     if (is_free) {

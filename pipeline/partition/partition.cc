@@ -445,6 +445,15 @@ absl::StatusOr<Pipe> SplitModel(const torch::jit::Module& model, const SplitOpti
   return pipe;
 }
 
+absl::StatusOr<std::vector<CutPoint>> ListLegalCuts(const torch::jit::Module& model) {
+  PIPPY_ASSIGN_OR_RETURN(std::unique_ptr<ModelGraph> mg, ModelGraph::Build(model));
+  std::vector<CutPoint> out;
+  for (int c : mg->legal_cuts()) {
+    out.push_back({c, CutName(*mg, c), mg->op_path(c - 1), mg->op_path(c)});
+  }
+  return out;
+}
+
 std::string PlanToJson(const PipelinePlan& plan) {
   std::string json;
   google::protobuf::util::JsonPrintOptions opts;

@@ -51,6 +51,17 @@ struct Pipe {
 // input that does not fit), with a message that says what to do.
 absl::StatusOr<Pipe> SplitModel(const torch::jit::Module& model, const SplitOptions& options);
 
+// A legal cut position and how to name it with --split-at.
+struct CutPoint {
+  int position = 0;        // ops before the cut
+  std::string name;        // "blocks.4" / "blocks.3:end"; "" if no module names it
+  std::string before;      // module path of the op before the cut
+  std::string after;       // module path of the op after it
+};
+
+// Every legal cut of the model, in order.
+absl::StatusOr<std::vector<CutPoint>> ListLegalCuts(const torch::jit::Module& model);
+
 // Writes stage_<N>.pt for every stage and plan.json into `dir` (created if needed).
 absl::Status WritePipe(const Pipe& pipe, const std::string& dir);
 
