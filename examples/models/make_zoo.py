@@ -239,6 +239,9 @@ def main():
         scripted.save(os.path.join(args.out, name + ".pt"))
         torch.save(example, os.path.join(args.out, name + ".input.pt"))
         torch.save(target, os.path.join(args.out, name + ".target.pt"))
+        if name == "mlp":
+            # A plain checkpoint (not TorchScript): an error case for the loader.
+            torch.save(model.state_dict(), os.path.join(args.out, "mlp.checkpoint.pt"))
     print("wrote zoo to", args.out)
 
 

@@ -56,18 +56,14 @@ class Inliner {
   }
 
   absl::Status InlineBlock(Block* block) {
-    for (auto it = block->nodes().begin(); it != block->nodes().end();) {
-      Node* n = *it;
+    for (Node* n = block->nodes().front(); n != block->return_node();) {
       if (n->kind() == prim::CallMethod || n->kind() == prim::CallFunction) {
         Node* first_inserted = nullptr;
+        Node* after = n->next();
         PIPPY_RETURN_IF_ERROR(InlineCall(n, &first_inserted));
-        if (first_inserted != nullptr) {
-          it = block->nodes().begin();
-          // Continue from the first inlined node: its calls are inlined in turn.
-          while (*it != first_inserted) ++it;
-          continue;
-        }
-        ++it;  // a marker: left in place
+        // Continue with the inlined body (its own calls are inlined in turn), or after
+        // a marker, which stays in place.
+        n = first_inserted != nullptr ? first_inserted : after;
         continue;
       }
       if (n->kind() == prim::PythonOp) {
@@ -77,7 +73,7 @@ class Inliner {
             "without Python; make that code scriptable"));
       }
       for (Block* b : n->blocks()) PIPPY_RETURN_IF_ERROR(InlineBlock(b));
-      ++it;
+      n = n->next();
     }
     return absl::OkStatus();
   }

@@ -1,9 +1,8 @@
 #include "pipeline/partition/partition.h"
 
-#include <sys/stat.h>
-
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <unordered_map>
@@ -465,8 +464,11 @@ std::string PlanToJson(const PipelinePlan& plan) {
 }
 
 absl::Status WritePipe(const Pipe& pipe, const std::string& dir) {
-  if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
-    return absl::PermissionDeniedError(absl::StrCat("cannot create output folder '", dir, "'"));
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot create output folder '", dir, "': ", ec.message()));
   }
   for (size_t s = 0; s < pipe.stages.size(); ++s) {
     std::string path = absl::StrCat(dir, "/stage_", s, ".pt");
