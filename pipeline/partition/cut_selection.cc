@@ -42,12 +42,6 @@ size_t EditDistance(const std::string& a, const std::string& b) {
   return prev[b.size()];
 }
 
-std::string DescribeCut(const ModelGraph& mg, int c) {
-  std::string name = CutName(mg, c);
-  if (!name.empty()) return absl::StrCat("'", name, "'");
-  return absl::StrCat("op ", c, " (", mg.op(c)->kind().toQualString(), " in '", mg.op_path(c), "')");
-}
-
 // The nearest legal cuts below and above c that have a --split-at name.
 std::string NearestLegalCuts(const ModelGraph& mg, int c) {
   std::vector<std::string> out;
