@@ -4,6 +4,7 @@
 #include <string>
 
 #include "client/exit_codes.h"
+#include "client/schedule_command.h"
 #include "client/split_command.h"
 
 namespace {
@@ -12,6 +13,7 @@ constexpr char kUsage[] = R"(usage: pippyctl COMMAND [options]   (pippyctl COMMA
 
 Offline commands (no coordinator needed):
   split MODEL.pt     split a TorchScript model into pipeline stages; print or write the plan
+  schedule           generate, validate and simulate a pipeline schedule; print its timeline
 
 Exit codes: 0 success, 1 internal error, 2 bad input, 3 coordinator unreachable.
 )";
@@ -26,6 +28,7 @@ int main(int argc, char** argv) {
   }
   std::string command = argv[1];
   if (command == "split") return pippy::cli::RunSplitCommand(argc, argv, 2);
+  if (command == "schedule") return pippy::cli::RunScheduleCommand(argc, argv, 2);
   std::cerr << "pippyctl: unknown command '" << command << "'; run pippyctl --help\n";
   return pippy::cli::kExitBadInput;
 }
