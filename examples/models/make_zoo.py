@@ -20,6 +20,7 @@ The models cover what the partitioner must handle:
 import argparse
 import math
 import os
+from typing import Tuple
 
 import torch
 import torch.nn as nn
@@ -180,6 +181,10 @@ class Multi(nn.Module):
             g = g + 0.5
         z = self.d(h * g)
         return self.e(z), z.sum(dim=1)
+
+    @torch.jit.export
+    def loss(self, output: Tuple[torch.Tensor, torch.Tensor], target: torch.Tensor):
+        return F.mse_loss(output[0], target) + 0.01 * output[1].pow(2).mean()
 
 
 @torch.jit.interface

@@ -9,6 +9,7 @@
 #include "absl/strings/str_split.h"
 #include "common/status.h"
 #include "common/torch_status.h"
+#include "torch/csrc/jit/passes/inliner.h"
 
 namespace pippy::partition {
 namespace {
@@ -63,6 +64,19 @@ class StageBuilder {
     }
     auto* fn = cu_->create_function(c10::QualifiedName(*root_.type()->name(), "forward"), graph_);
     root_.type()->addMethod(fn);
+    if (def_.is_last && mg_.model().find_method("loss")) {
+      // The model's loss(self, output, target) travels with the last stage (--loss model).
+      auto loss = mg_.model().get_method("loss").graph()->copy();
+      torch::jit::Inline(*loss);
+      if (loss->inputs()[0]->hasUses()) {
+        return absl::InvalidArgumentError(
+            "the model's loss() reads attributes of the model (self.…); pippy needs loss(self, output, target) "
+            "to use only its arguments");
+      }
+      loss->inputs()[0]->setType(root_.type());
+      root_.type()->addMethod(
+          cu_->create_function(c10::QualifiedName(*root_.type()->name(), "loss"), loss));
+    }
     BuiltStage built;
     built.module = root_;
     for (const auto& [name, index] : registered_tensors_) built.tensors.emplace_back(name, index);

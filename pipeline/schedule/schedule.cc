@@ -74,8 +74,10 @@ void LoopedBFS(Schedule* sc) {
     for (int s : stages) {
       for (int mb = 0; mb < m; ++mb) sc->ranks[r].push_back(F(s, mb));
     }
+    // Backward: last local stage first; micro-batches in order (torch runs them in
+    // reverse; ascending keeps gradient accumulation in the unsplit model's order).
     for (auto it = stages.rbegin(); it != stages.rend(); ++it) {
-      for (int mb = m - 1; mb >= 0; --mb) sc->ranks[r].push_back(B(*it, mb));
+      for (int mb = 0; mb < m; ++mb) sc->ranks[r].push_back(B(*it, mb));
     }
   }
 }

@@ -1,0 +1,599 @@
+#include "pipeline/stage/rank_runtime.h"
+
+#include <chrono>
+#include <cmath>
+#include <set>
+#include <tuple>
+
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "common/torch_status.h"
+#include "torch/csrc/autograd/autograd.h"
+
+namespace pippy::stage {
+namespace {
+
+using schedule::Action;
+using schedule::ActionType;
+using transport::Tag;
+using Key = std::pair<int, int>;  // (stage, micro-batch)
+
+Tag MakeTag(Tag::Kind kind, int step, int mb, int src, int dst, int index) {
+  Tag t;
+  t.kind = kind;
+  t.step = static_cast<uint32_t>(step);
+  t.microbatch = static_cast<uint32_t>(mb);
+  t.src_stage = static_cast<uint32_t>(src);
+  t.dst_stage = static_cast<uint32_t>(dst);
+  t.index = static_cast<uint32_t>(index);
+  return t;
+}
+
+double Seconds(std::chrono::steady_clock::time_point since) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
+}
+
+}  // namespace
+
+struct RankRuntime::StepState {
+  struct Saved {
+    std::vector<c10::IValue> inputs;   // as given to forward (leaves for received values)
+    std::vector<at::Tensor> roots;     // what backward starts from
+    std::vector<at::Tensor> root_grads;
+    bool roots_ready = false;
+    at::Tensor loss;                   // last stage: unscaled micro-batch loss
+    std::vector<c10::IValue> outputs;  // non-final stages: the stage's outputs
+  };
+  int step = 0;
+  bool training = true;
+  int m = 1;
+  std::vector<std::vector<c10::IValue>> mb_inputs;
+  std::vector<c10::IValue> mb_targets;
+  std::map<Key, std::vector<c10::IValue>> fwd_inbox;
+  std::map<Key, std::vector<at::Tensor>> bwd_inbox;
+  std::map<Key, Saved> saved;
+  std::map<Key, std::vector<c10::IValue>> to_send;      // outputs awaiting SEND_F
+  std::map<Key, std::vector<at::Tensor>> grads_to_send; // input grads awaiting SEND_B
+  std::vector<c10::IValue> final_outputs;
+  // Tied parameters: gradient contribution per (group, stage, micro-batch), summed at
+  // the end in the order the unsplit model's autograd would sum them.
+  std::map<std::tuple<int, int, int>, at::Tensor> tied_contrib;
+  double loss_sum = 0;
+  int live = 0;
+  int peak = 0;
+  double busy = 0;
+  std::vector<std::pair<std::shared_ptr<transport::Work>, std::string>> pending_sends;
+};
+
+RankRuntime::~RankRuntime() = default;
+
+absl::StatusOr<std::unique_ptr<RankRuntime>> RankRuntime::Create(int rank, const PipelinePlan& plan,
+                                                                std::map<int, torch::jit::Module> stages,
+                                                                const schedule::Schedule& schedule,
+                                                                transport::Transport* transport,
+                                                                const RuntimeOptions& options) {
+  if (schedule.num_stages != plan.stages_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("the schedule runs ", schedule.num_stages,
+                                                   " stages but the model was split into ", plan.stages_size()));
+  }
+  if (rank < 0 || rank >= schedule.num_ranks) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " is not in the schedule (", schedule.num_ranks,
+                                                   " ranks)"));
+  }
+  for (int s : schedule.StagesOf(rank)) {
+    if (!stages.count(s)) {
+      return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " runs stage ", s, " but was not given it"));
+    }
+  }
+  for (const auto& [s, m] : stages) {
+    if (s < 0 || s >= schedule.num_stages || schedule.stage_to_rank[s] != rank) {
+      return absl::InvalidArgumentError(absl::StrCat("stage ", s, " does not belong on rank ", rank));
+    }
+  }
+  std::unique_ptr<RankRuntime> rt(new RankRuntime());
+  rt->rank_ = rank;
+  rt->plan_ = plan;
+  rt->stages_ = std::move(stages);
+  rt->schedule_ = schedule;
+  rt->transport_ = transport;
+  rt->options_ = options;
+  rt->consumers_.resize(plan.stages_size());
+  for (int s = 0; s < plan.stages_size(); ++s) rt->consumers_[s].resize(plan.stages(s).outputs_size());
+  for (int c = 0; c < plan.stages_size(); ++c) {
+    const StagePlan& cp = plan.stages(c);
+    for (int k = 0; k < cp.inputs_size(); ++k) {
+      const StageInput& si = cp.inputs(k);
+      if (si.source_case() != StageInput::kSourceStage) continue;
+      rt->consumers_[si.source_stage()][si.source_output()].push_back({c, k});
+      const auto& sched_consumers = schedule.graph.consumers[si.source_stage()];
+      if (std::find(sched_consumers.begin(), sched_consumers.end(), c) == sched_consumers.end()) {
+        return absl::InvalidArgumentError(absl::StrCat("the schedule's stage graph lacks the edge ", si.source_stage(),
+                                                       " -> ", c, " that the plan has; make the schedule with the "
+                                                       "plan's stage graph"));
+      }
+    }
+  }
+  for (const auto& [s, module] : rt->stages_) {
+    for (const ParameterInfo& pi : plan.stages(s).parameters()) {
+      if (pi.tie_group() < 0) continue;
+      for (const auto& p : module.named_parameters(true)) {
+        if (p.name == pi.name()) rt->tied_params_[s].emplace_back(p.value, pi.tie_group());
+      }
+    }
+  }
+  if (!schedule.forward_only) {
+    PIPPY_ASSIGN_OR_RETURN(rt->loss_kind_, ParseLoss(options.loss));
+    std::vector<at::Tensor> params;
+    for (const auto& [s, m] : rt->stages_) {
+      for (const at::Tensor& p : rt->LocalParameters(s)) params.push_back(p);
+    }
+    PIPPY_ASSIGN_OR_RETURN(rt->optimizer_, MakeOptimizer(options.optimizer, params));
+  }
+  return rt;
+}
+
+std::vector<at::Tensor> RankRuntime::LocalParameters(int stage) const {
+  std::vector<at::Tensor> out;
+  for (const auto& p : stages_.at(stage).named_parameters(true)) {
+    if (p.value.requires_grad()) out.push_back(p.value);
+  }
+  return out;
+}
+
+absl::Status RankRuntime::WaitFor(const std::shared_ptr<transport::Work>& work, const std::string& where) {
+  absl::Status s = work->Wait(options_.timeout);
+  if (s.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat(where, ": ", s.message()));
+}
+
+absl::StatusOr<StepResult> RankRuntime::TrainStep(int step, const std::vector<c10::IValue>& inputs,
+                                                  const c10::IValue& target) {
+  if (schedule_.forward_only) {
+    return absl::FailedPreconditionError("TrainStep needs a training schedule; this one is forward-only");
+  }
+  return RunStep(step, inputs, target, /*training=*/true);
+}
+
+absl::StatusOr<StepResult> RankRuntime::InferenceStep(int step, const std::vector<c10::IValue>& inputs) {
+  if (!schedule_.forward_only) {
+    return absl::FailedPreconditionError("InferenceStep needs a forward-only schedule");
+  }
+  return RunStep(step, inputs, c10::IValue(), /*training=*/false);
+}
+
+absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10::IValue>& inputs,
+                                                const c10::IValue& target, bool training) {
+  auto start = std::chrono::steady_clock::now();
+  StepState st;
+  st.step = step;
+  st.training = training;
+  st.m = schedule_.num_microbatches;
+  bool needs_inputs = false, holds_last = false;
+  for (const auto& [s, m] : stages_) {
+    const StagePlan& sp = plan_.stages(s);
+    holds_last |= sp.is_last();
+    for (const StageInput& si : sp.inputs()) needs_inputs |= si.source_case() == StageInput::kModelInput;
+  }
+  if (needs_inputs) {
+    if (static_cast<int>(inputs.size()) != plan_.inputs_size()) {
+      return absl::InvalidArgumentError(absl::StrCat("rank ", rank_, " needs the model's ", plan_.inputs_size(),
+                                                     " input(s), got ", inputs.size()));
+    }
+    std::vector<std::string> names;
+    for (const auto& in : plan_.inputs()) names.push_back(in.name());
+    PIPPY_ASSIGN_OR_RETURN(st.mb_inputs, SplitIntoMicrobatches(inputs, st.m, options_.input_chunks, names));
+  }
+  if (training && holds_last) {
+    PIPPY_ASSIGN_OR_RETURN(auto t, SplitIntoMicrobatches({target}, st.m, {}, {"target"}));
+    for (auto& mb : t) st.mb_targets.push_back(mb[0]);
+  }
+  st.final_outputs.resize(st.m);
+  const auto& actions = schedule_.ranks[rank_];
+  for (size_t pos = 0; pos < actions.size(); ++pos) {
+    absl::Status s = Execute(st, pos, actions[pos]);
+    if (!s.ok()) {
+      log::Error("rank={} step={} action #{} ({}) failed: {}", rank_, step, pos, actions[pos].ToString(),
+                 std::string(s.message()));
+      for (auto& [w, d] : st.pending_sends) w->Cancel();
+      return s;
+    }
+  }
+  for (auto& [work, where] : st.pending_sends) PIPPY_RETURN_IF_ERROR(WaitFor(work, where));
+  StepResult result;
+  if (training) {
+    PIPPY_RETURN_IF_ERROR(SyncTiedGradients(st));
+    if (options_.clip_grad_norm > 0) {
+      PIPPY_ASSIGN_OR_RETURN(result.grad_norm, ClipGradients(step));
+    }
+    PIPPY_RETURN_IF_ERROR(TorchCall("optimizer step", [&] {
+      optimizer_->step();
+      for (auto& group : optimizer_->param_groups()) {
+        for (auto& p : group.params()) p.mutable_grad() = at::Tensor();
+      }
+    }, absl::StatusCode::kInternal));
+    if (holds_last) {
+      result.loss = st.loss_sum / st.m;
+      result.has_loss = true;
+    }
+  } else if (holds_last) {
+    PIPPY_ASSIGN_OR_RETURN(result.output, MergeMicrobatches(st.final_outputs));
+  }
+  result.busy_seconds = st.busy;
+  result.peak_live_activations = st.peak;
+  result.step_seconds = Seconds(start);
+  return result;
+}
+
+absl::Status RankRuntime::Execute(StepState& st, size_t pos, const Action& a) {
+  const std::string where = absl::StrCat("rank ", rank_, " step ", st.step, " action #", pos, " (", a.ToString(), ")");
+  auto start = std::chrono::steady_clock::now();
+  absl::Status s;
+  switch (a.type) {
+    case ActionType::kForward: s = Forward(st, a.stage, a.microbatch); break;
+    case ActionType::kBackward: s = Backward(st, a.stage, a.microbatch, true, true); break;
+    case ActionType::kBackwardInput: s = Backward(st, a.stage, a.microbatch, true, false); break;
+    case ActionType::kBackwardWeight: s = Backward(st, a.stage, a.microbatch, false, true); break;
+    case ActionType::kSendForward: return SendForward(st, a.stage, a.microbatch);
+    case ActionType::kRecvForward: return RecvForward(st, a.stage, a.microbatch, where);
+    case ActionType::kSendBackward: return SendBackward(st, a.stage, a.microbatch);
+    case ActionType::kRecvBackward: return RecvBackward(st, a.stage, a.microbatch, where);
+  }
+  st.busy += Seconds(start);
+  if (!s.ok()) return absl::Status(s.code(), absl::StrCat(where, ": ", s.message()));
+  return s;
+}
+
+absl::Status RankRuntime::Forward(StepState& st, int s, int mb) {
+  const StagePlan& sp = plan_.stages(s);
+  std::vector<c10::IValue> args;
+  auto inbox_it = st.fwd_inbox.find({s, mb});
+  for (int k = 0; k < sp.inputs_size(); ++k) {
+    const StageInput& si = sp.inputs(k);
+    c10::IValue v;
+    if (si.source_case() == StageInput::kModelInput) {
+      v = st.mb_inputs[mb][si.model_input()];
+    } else {
+      if (inbox_it == st.fwd_inbox.end() || inbox_it->second[k].isNone()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "input '", si.name(), "' from stage ", si.source_stage(),
+            " has not arrived: the schedule runs this forward before the RECV_F or the producing forward"));
+      }
+      v = inbox_it->second[k];
+      if (st.training && v.isTensor() && at::isFloatingType(v.toTensor().scalar_type())) {
+        v = v.toTensor().detach().requires_grad_(true);
+      }
+    }
+    args.push_back(std::move(v));
+  }
+  if (inbox_it != st.fwd_inbox.end()) st.fwd_inbox.erase(inbox_it);
+  torch::jit::Module module = stages_.at(s);
+  PIPPY_ASSIGN_OR_RETURN(c10::IValue out, TorchCall(absl::StrCat("stage ", s, " forward of micro-batch ", mb), [&] {
+    if (st.training) return module.forward(args);
+    torch::NoGradGuard no_grad;
+    return module.forward(args);
+  }));
+  StepState::Saved saved;
+  if (sp.is_last()) {
+    if (st.training) {
+      PIPPY_ASSIGN_OR_RETURN(saved.loss, ComputeLoss(loss_kind_, module, out, st.mb_targets[mb]));
+      st.loss_sum += saved.loss.item<double>();
+    } else {
+      st.final_outputs[mb] = out;
+    }
+  } else {
+    if (!out.isTuple()) return absl::InternalError("a non-final stage must return a tuple (partitioner bug)");
+    std::vector<c10::IValue> values = out.toTupleRef().elements().vec();
+    for (size_t j = 0; j < values.size(); ++j) {
+      for (const auto& [c, k] : consumers_[s][j]) {
+        if (schedule_.stage_to_rank[c] != rank_) continue;
+        auto& inbox = st.fwd_inbox[{c, mb}];
+        inbox.resize(plan_.stages(c).inputs_size());
+        inbox[k] = values[j];
+      }
+    }
+    st.to_send[{s, mb}] = values;
+    if (st.training) saved.outputs = values;
+  }
+  if (st.training) {
+    saved.inputs = std::move(args);
+    st.saved[{s, mb}] = std::move(saved);
+    st.peak = std::max(st.peak, ++st.live);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RankRuntime::SendForward(StepState& st, int s, int mb) {
+  auto it = st.to_send.find({s, mb});
+  if (it == st.to_send.end()) {
+    return absl::FailedPreconditionError(absl::StrCat("rank ", rank_, ": SEND_F of stage ", s, " micro-batch ", mb,
+                                                      " before its forward"));
+  }
+  for (size_t j = 0; j < it->second.size(); ++j) {
+    for (const auto& [c, k] : consumers_[s][j]) {
+      int peer = schedule_.stage_to_rank[c];
+      if (peer == rank_) continue;
+      Tag tag = MakeTag(Tag::Kind::kActivation, st.step, mb, s, c, static_cast<int>(j));
+      c10::IValue v = it->second[j].isTensor() ? c10::IValue(it->second[j].toTensor().detach()) : it->second[j];
+      st.pending_sends.emplace_back(transport_->Send(peer, tag, v),
+                                    absl::StrCat("rank ", rank_, " sending ", tag.ToString(), " to rank ", peer));
+    }
+  }
+  st.to_send.erase(it);
+  return absl::OkStatus();
+}
+
+absl::Status RankRuntime::RecvForward(StepState& st, int s, int mb, const std::string& where) {
+  const StagePlan& sp = plan_.stages(s);
+  std::vector<std::pair<int, std::shared_ptr<transport::Work>>> works;
+  for (int k = 0; k < sp.inputs_size(); ++k) {
+    const StageInput& si = sp.inputs(k);
+    if (si.source_case() != StageInput::kSourceStage) continue;
+    int peer = schedule_.stage_to_rank[si.source_stage()];
+    if (peer == rank_) continue;
+    Tag tag = MakeTag(Tag::Kind::kActivation, st.step, mb, si.source_stage(), s, si.source_output());
+    works.emplace_back(k, transport_->Recv(peer, tag));
+  }
+  auto& inbox = st.fwd_inbox[{s, mb}];
+  inbox.resize(sp.inputs_size());
+  for (auto& [k, work] : works) {
+    PIPPY_RETURN_IF_ERROR(WaitFor(work, where));
+    inbox[k] = work->Value();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RankRuntime::Backward(StepState& st, int s, int mb, bool inputs, bool weights) {
+  auto it = st.saved.find({s, mb});
+  if (it == st.saved.end()) {
+    return absl::FailedPreconditionError(absl::StrCat("no forward state for stage ", s, " micro-batch ", mb,
+                                                      ": backward before forward, or twice"));
+  }
+  StepState::Saved& saved = it->second;
+  const StagePlan& sp = plan_.stages(s);
+  if (!saved.roots_ready) {
+    if (sp.is_last()) {
+      saved.roots = {saved.loss / static_cast<double>(st.m)};
+      saved.root_grads = {at::ones_like(saved.roots[0])};
+    } else {
+      auto grads_it = st.bwd_inbox.find({s, mb});
+      for (size_t j = 0; j < saved.outputs.size(); ++j) {
+        if (!saved.outputs[j].isTensor() || !saved.outputs[j].toTensor().requires_grad()) continue;
+        if (grads_it == st.bwd_inbox.end() || j >= grads_it->second.size() || !grads_it->second[j].defined()) continue;
+        saved.roots.push_back(saved.outputs[j].toTensor());
+        saved.root_grads.push_back(grads_it->second[j]);
+      }
+      if (grads_it != st.bwd_inbox.end()) st.bwd_inbox.erase(grads_it);
+    }
+    saved.roots_ready = true;
+  }
+  std::vector<at::Tensor> leaves;
+  std::vector<int> leaf_index;
+  for (size_t k = 0; k < saved.inputs.size(); ++k) {
+    if (saved.inputs[k].isTensor() && saved.inputs[k].toTensor().requires_grad() &&
+        sp.inputs(static_cast<int>(k)).source_case() == StageInput::kSourceStage) {
+      leaves.push_back(saved.inputs[k].toTensor());
+      leaf_index.push_back(static_cast<int>(k));
+    }
+  }
+  std::vector<at::Tensor> input_grads(saved.inputs.size());
+  // Tied parameters: take this micro-batch's contribution apart from .grad.
+  std::vector<at::Tensor> kept;
+  auto tied_it = tied_params_.find(s);
+  if (weights && tied_it != tied_params_.end()) {
+    for (auto& [p, g] : tied_it->second) {
+      kept.push_back(p.grad());
+      p.mutable_grad() = at::Tensor();
+    }
+  }
+  absl::Status s_status = TorchCall(absl::StrCat("stage ", s, " backward of micro-batch ", mb), [&] {
+    if (saved.roots.empty()) return;
+    if (inputs && weights) {
+      torch::autograd::backward(saved.roots, saved.root_grads);
+      for (size_t i = 0; i < leaves.size(); ++i) input_grads[leaf_index[i]] = leaves[i].grad();
+    } else if (inputs) {
+      if (leaves.empty()) return;
+      auto gs = torch::autograd::grad(saved.roots, leaves, saved.root_grads, /*retain_graph=*/true,
+                                      /*create_graph=*/false, /*allow_unused=*/true);
+      for (size_t i = 0; i < leaves.size(); ++i) input_grads[leaf_index[i]] = gs[i];
+    } else {
+      std::vector<at::Tensor> params = LocalParameters(s);
+      if (params.empty()) return;
+      torch::autograd::backward(saved.roots, saved.root_grads, /*retain_graph=*/false, /*create_graph=*/false,
+                                params);
+    }
+  }, absl::StatusCode::kInternal);
+  if (weights && tied_it != tied_params_.end()) {
+    for (size_t i = 0; i < tied_it->second.size(); ++i) {
+      auto& [p, g] = tied_it->second[i];
+      st.tied_contrib[{g, s, mb}] = p.grad();
+      p.mutable_grad() = kept[i];
+    }
+  }
+  PIPPY_RETURN_IF_ERROR(s_status);
+  if (inputs) {
+    for (int k = 0; k < sp.inputs_size(); ++k) {
+      const StageInput& si = sp.inputs(k);
+      if (si.source_case() != StageInput::kSourceStage) continue;
+      int p = si.source_stage();
+      if (schedule_.stage_to_rank[p] == rank_) {
+        if (!input_grads[k].defined()) continue;
+        auto& inbox = st.bwd_inbox[{p, mb}];
+        inbox.resize(plan_.stages(p).outputs_size());
+        at::Tensor& slot = inbox[si.source_output()];
+        slot = slot.defined() ? slot + input_grads[k] : input_grads[k];
+      } else {
+        auto& out = st.grads_to_send[{s, mb}];
+        out.resize(sp.inputs_size());
+        out[k] = input_grads[k];
+      }
+    }
+  }
+  if (weights) {
+    st.saved.erase(it);
+    --st.live;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RankRuntime::SendBackward(StepState& st, int s, int mb) {
+  const StagePlan& sp = plan_.stages(s);
+  auto it = st.grads_to_send.find({s, mb});
+  for (int k = 0; k < sp.inputs_size(); ++k) {
+    const StageInput& si = sp.inputs(k);
+    if (si.source_case() != StageInput::kSourceStage) continue;
+    int peer = schedule_.stage_to_rank[si.source_stage()];
+    if (peer == rank_) continue;
+    at::Tensor g;
+    if (it != st.grads_to_send.end() && k < static_cast<int>(it->second.size())) g = it->second[k];
+    Tag tag = MakeTag(Tag::Kind::kGradient, st.step, mb, s, si.source_stage(), si.source_output());
+    st.pending_sends.emplace_back(transport_->Send(peer, tag, g.defined() ? c10::IValue(g) : c10::IValue()),
+                                  absl::StrCat("rank ", rank_, " sending ", tag.ToString(), " to rank ", peer));
+  }
+  if (it != st.grads_to_send.end()) st.grads_to_send.erase(it);
+  return absl::OkStatus();
+}
+
+absl::Status RankRuntime::RecvBackward(StepState& st, int s, int mb, const std::string& where) {
+  std::vector<std::pair<int, std::shared_ptr<transport::Work>>> works;
+  for (size_t j = 0; j < consumers_[s].size(); ++j) {
+    for (const auto& [c, k] : consumers_[s][j]) {
+      int peer = schedule_.stage_to_rank[c];
+      if (peer == rank_) continue;
+      Tag tag = MakeTag(Tag::Kind::kGradient, st.step, mb, c, s, static_cast<int>(j));
+      works.emplace_back(static_cast<int>(j), transport_->Recv(peer, tag));
+    }
+  }
+  auto& inbox = st.bwd_inbox[{s, mb}];
+  inbox.resize(consumers_[s].size());
+  for (auto& [j, work] : works) {
+    PIPPY_RETURN_IF_ERROR(WaitFor(work, where));
+    c10::IValue v = work->Value();
+    if (!v.isTensor()) continue;
+    at::Tensor& slot = inbox[j];
+    slot = slot.defined() ? slot + v.toTensor() : v.toTensor();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RankRuntime::SyncTiedGradients(StepState& st) {
+  const int step = st.step;
+  for (int g = 0; g < plan_.tied_size(); ++g) {
+    const TiedParameter& tp = plan_.tied(g);
+    std::vector<int> holders(tp.stages().begin(), tp.stages().end());
+    std::sort(holders.begin(), holders.end());
+    std::map<int, std::vector<int>> stages_of_rank;  // rank -> its holder stages
+    for (int s : holders) stages_of_rank[schedule_.stage_to_rank[s]].push_back(s);
+    if (!stages_of_rank.count(rank_)) continue;
+    // This rank's contributions: [stage][micro-batch] (None where a stage got none).
+    auto local_contrib = [&]() {
+      std::vector<c10::IValue> per_stage;
+      for (int s : stages_of_rank[rank_]) {
+        std::vector<c10::IValue> per_mb;
+        for (int mb = 0; mb < st.m; ++mb) {
+          auto it = st.tied_contrib.find({g, s, mb});
+          per_mb.push_back(it != st.tied_contrib.end() && it->second.defined() ? c10::IValue(it->second)
+                                                                               : c10::IValue());
+        }
+        per_stage.push_back(c10::ivalue::Tuple::create(std::move(per_mb)));
+      }
+      return c10::IValue(c10::ivalue::Tuple::create(std::move(per_stage)));
+    };
+    const int leader = schedule_.stage_to_rank[holders[0]];
+    const int mine = stages_of_rank[rank_][0];
+    const std::string where = absl::StrCat("rank ", rank_, " step ", step, " tied-gradient sync of '", tp.canonical(), "'");
+    at::Tensor total;
+    if (rank_ == leader) {
+      std::map<int, std::vector<c10::IValue>> contrib;  // stage -> per micro-batch
+      auto take = [&](int r, const c10::IValue& v) {
+        const auto& per_stage = v.toTupleRef().elements();
+        for (size_t i = 0; i < per_stage.size(); ++i) {
+          contrib[stages_of_rank[r][i]] = per_stage[i].toTupleRef().elements().vec();
+        }
+      };
+      take(rank_, local_contrib());
+      for (const auto& [r, ss] : stages_of_rank) {
+        if (r == leader) continue;
+        auto w = transport_->Recv(r, MakeTag(Tag::Kind::kTiedGradient, step, 0, ss[0], holders[0], g));
+        PIPPY_RETURN_IF_ERROR(WaitFor(w, where));
+        take(r, w->Value());
+      }
+      // The unsplit model's order: per micro-batch, the uses' gradients as its
+      // backward meets them (last stage first); then micro-batches in order.
+      for (int mb = 0; mb < st.m; ++mb) {
+        at::Tensor sum;
+        for (auto it = holders.rbegin(); it != holders.rend(); ++it) {
+          const c10::IValue& c = contrib[*it][mb];
+          if (!c.isTensor()) continue;
+          sum = sum.defined() ? sum + c.toTensor() : c.toTensor();
+        }
+        if (sum.defined()) total = total.defined() ? total + sum : sum;
+      }
+      std::vector<std::shared_ptr<transport::Work>> sends;
+      for (const auto& [r, ss] : stages_of_rank) {
+        if (r == leader) continue;
+        sends.push_back(transport_->Send(r, MakeTag(Tag::Kind::kTiedGradient, step, 1, holders[0], ss[0], g),
+                                         total.defined() ? c10::IValue(total) : c10::IValue()));
+      }
+      for (auto& w : sends) PIPPY_RETURN_IF_ERROR(WaitFor(w, where));
+    } else {
+      auto sent = transport_->Send(leader, MakeTag(Tag::Kind::kTiedGradient, step, 0, mine, holders[0], g),
+                                   local_contrib());
+      auto w = transport_->Recv(leader, MakeTag(Tag::Kind::kTiedGradient, step, 1, holders[0], mine, g));
+      PIPPY_RETURN_IF_ERROR(WaitFor(sent, where));
+      PIPPY_RETURN_IF_ERROR(WaitFor(w, where));
+      if (w->Value().isTensor()) total = w->Value().toTensor();
+    }
+    for (int s : stages_of_rank[rank_]) {
+      for (auto& [p, group] : tied_params_[s]) {
+        if (group == g) p.mutable_grad() = total.defined() ? total.clone() : at::Tensor();
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<double> RankRuntime::ClipGradients(int step) {
+  // Squared norm of this rank's gradients; a tied tensor counts once (its first holder).
+  double local = 0;
+  std::vector<at::Tensor> grads;
+  for (const auto& [s, module] : stages_) {
+    std::set<std::string> skip;
+    for (const ParameterInfo& pi : plan_.stages(s).parameters()) {
+      if (pi.tie_group() >= 0 && plan_.tied(pi.tie_group()).stages(0) != s) skip.insert(pi.name());
+    }
+    for (const auto& p : module.named_parameters(true)) {
+      if (!p.value.grad().defined()) continue;
+      grads.push_back(p.value.grad());
+      if (!skip.count(p.name)) local += p.value.grad().to(at::kDouble).pow(2).sum().item<double>();
+    }
+  }
+  const int R = schedule_.num_ranks;
+  const std::string where = absl::StrCat("rank ", rank_, " step ", step, " gradient-norm exchange");
+  double total = local;
+  if (rank_ == 0) {
+    for (int r = 1; r < R; ++r) {
+      auto w = transport_->Recv(r, MakeTag(Tag::Kind::kGradNorm, step, 0, 0, 0, r));
+      PIPPY_RETURN_IF_ERROR(WaitFor(w, where));
+      total += w->Value().toDouble();
+    }
+    std::vector<std::shared_ptr<transport::Work>> sends;
+    for (int r = 1; r < R; ++r) sends.push_back(transport_->Send(r, MakeTag(Tag::Kind::kGradNorm, step, 1, 0, 0, r), total));
+    for (auto& w : sends) PIPPY_RETURN_IF_ERROR(WaitFor(w, where));
+  } else {
+    auto sent = transport_->Send(0, MakeTag(Tag::Kind::kGradNorm, step, 0, 0, 0, rank_), local);
+    auto w = transport_->Recv(0, MakeTag(Tag::Kind::kGradNorm, step, 1, 0, 0, rank_));
+    PIPPY_RETURN_IF_ERROR(WaitFor(sent, where));
+    PIPPY_RETURN_IF_ERROR(WaitFor(w, where));
+    total = w->Value().toDouble();
+  }
+  const double norm = std::sqrt(total);
+  const double coef = options_.clip_grad_norm / (norm + 1e-6);
+  if (coef < 1.0) {
+    torch::NoGradGuard no_grad;
+    for (at::Tensor& g : grads) g.mul_(coef);
+  }
+  return norm;
+}
+
+}  // namespace pippy::stage

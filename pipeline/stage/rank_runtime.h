@@ -1,0 +1,114 @@
+// The stage runtime: runs one rank's action list for the stages it holds.
+//
+// Per step it splits the batch into micro-batches, then executes the schedule's
+// actions in order: F (forward, keeping autograd state per micro-batch; the last
+// stage computes the loss scaled by 1/micro-batches), B (full backward), I (gradient
+// for inputs only) and W (gradient for weights only), SEND_F/RECV_F/SEND_B/RECV_B
+// over the transport. Values between stages on the same rank are handed over in
+// memory. Received activations are detached and require grad; gradients for a value
+// with several consumers are summed. After the actions: tied-weight gradients are
+// summed across the stages that hold them, gradients are clipped by the global norm
+// over ALL stages (if asked), and the optimizer steps.
+//
+// Every wait has a deadline; a rank that times out says where it stood: the action's
+// position in the list, the action, and the peer and tag it waited for.
+//
+// Thread safety: one RankRuntime per rank; its methods are called from one thread.
+// Several RankRuntimes (ranks as threads over a loopback transport) may run at once.
+#ifndef PIPPY_PIPELINE_STAGE_RANK_RUNTIME_H_
+#define PIPPY_PIPELINE_STAGE_RANK_RUNTIME_H_
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "pipeline/schedule/schedule.h"
+#include "pipeline/stage/microbatch.h"
+#include "pipeline/stage/training.h"
+#include "pipeline/transport/transport.h"
+#include "proto/plan.pb.h"
+#include "torch/script.h"
+
+namespace pippy::stage {
+
+struct RuntimeOptions {
+  std::string loss = "mse";        // mse | cross_entropy | model; ignored for inference
+  OptimizerOptions optimizer;
+  double clip_grad_norm = 0;       // 0: no clipping
+  absl::Duration timeout = absl::Seconds(60);  // per wait
+  std::vector<ChunkSpec> input_chunks;        // per model input (default: dim 0)
+};
+
+struct StepResult {
+  double loss = 0;                 // mean loss over the batch (last-stage rank only)
+  bool has_loss = false;
+  c10::IValue output;              // inference: merged model output (last-stage rank)
+  double busy_seconds = 0;         // time in compute actions
+  double step_seconds = 0;
+  int peak_live_activations = 0;   // micro-batches holding autograd state, all local stages
+  double grad_norm = 0;            // global norm before clipping (when clipping)
+};
+
+class RankRuntime {
+ public:
+  // `stages` maps stage index -> module for the stages this rank holds (as the
+  // schedule places them). `plan` describes every stage. The transport must outlive
+  // the runtime. Errors: INVALID_ARGUMENT when the stages, plan and schedule disagree.
+  static absl::StatusOr<std::unique_ptr<RankRuntime>> Create(int rank, const PipelinePlan& plan,
+                                                            std::map<int, torch::jit::Module> stages,
+                                                            const schedule::Schedule& schedule,
+                                                            transport::Transport* transport,
+                                                            const RuntimeOptions& options);
+
+  // One training step on a batch: `inputs` are forward()'s arguments for the whole
+  // batch (used by ranks whose stages read model inputs), `target` the batch target
+  // (used by the rank holding the last stage). `step` numbers the messages.
+  absl::StatusOr<StepResult> TrainStep(int step, const std::vector<c10::IValue>& inputs, const c10::IValue& target);
+
+  // Forward only (the schedule must be forward-only): returns the merged model output
+  // on the rank holding the last stage.
+  absl::StatusOr<StepResult> InferenceStep(int step, const std::vector<c10::IValue>& inputs);
+
+  // The stage modules this rank holds (their parameters are trained in place).
+  const std::map<int, torch::jit::Module>& stages() const { return stages_; }
+
+  ~RankRuntime();
+
+ private:
+  RankRuntime() = default;
+  struct StepState;
+  absl::StatusOr<StepResult> RunStep(int step, const std::vector<c10::IValue>& inputs, const c10::IValue& target,
+                                     bool training);
+  absl::Status Execute(StepState& st, size_t position, const schedule::Action& action);
+  absl::Status Forward(StepState& st, int stage, int mb);
+  absl::Status Backward(StepState& st, int stage, int mb, bool inputs, bool weights);
+  absl::Status SendForward(StepState& st, int stage, int mb);
+  absl::Status RecvForward(StepState& st, int stage, int mb, const std::string& where);
+  absl::Status SendBackward(StepState& st, int stage, int mb);
+  absl::Status RecvBackward(StepState& st, int stage, int mb, const std::string& where);
+  absl::Status SyncTiedGradients(StepState& st);
+  absl::StatusOr<double> ClipGradients(int step);
+  absl::Status WaitFor(const std::shared_ptr<transport::Work>& work, const std::string& where);
+  std::vector<at::Tensor> LocalParameters(int stage) const;
+
+  // Constant after Create().
+  int rank_ = 0;
+  PipelinePlan plan_;
+  std::map<int, torch::jit::Module> stages_;
+  schedule::Schedule schedule_;
+  transport::Transport* transport_ = nullptr;
+  RuntimeOptions options_;
+  LossKind loss_kind_ = LossKind::kMse;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  // Tied parameters of each local stage: (parameter, tie group).
+  std::map<int, std::vector<std::pair<at::Tensor, int>>> tied_params_;
+  // consumers_[s][j]: (consumer stage, its input index) for output j of stage s.
+  std::vector<std::vector<std::vector<std::pair<int, int>>>> consumers_;
+};
+
+}  // namespace pippy::stage
+
+#endif  // PIPPY_PIPELINE_STAGE_RANK_RUNTIME_H_
