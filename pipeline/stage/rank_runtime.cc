@@ -9,6 +9,7 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "common/torch_status.h"
+#include "pipeline/schedule/simulator.h"
 #include "torch/csrc/autograd/autograd.h"
 
 namespace pippy::stage {
@@ -91,6 +92,8 @@ absl::StatusOr<std::unique_ptr<RankRuntime>> RankRuntime::Create(int rank, const
       return absl::InvalidArgumentError(absl::StrCat("stage ", s, " does not belong on rank ", rank));
     }
   }
+  // A schedule that cannot run is refused before anything runs (with the grid).
+  PIPPY_RETURN_IF_ERROR(schedule::Validate(schedule));
   std::unique_ptr<RankRuntime> rt(new RankRuntime());
   rt->rank_ = rank;
   rt->plan_ = plan;
