@@ -1,5 +1,5 @@
 #!/bin/bash
-# pippyctl split as a program: exit codes, stderr messages, --output json, --out.
+# pippyctl as a program: exit codes, stderr messages, --output json, files it writes.
 set -u
 PIPPYCTL=client/pippyctl
 ZOO=examples/models/zoo
@@ -54,6 +54,27 @@ if "$PIPPYCTL" split "$ZOO/unet.pt" --stages 3 --out "$TMP/u" > /dev/null &&
   echo "ok   out-dir"; passed=$((passed + 1))
 else
   echo "FAIL out-dir"; failed=$((failed + 1))
+fi
+
+# pippyctl schedule
+expect schedule-help 0 "" -- schedule --help
+expect schedule-unknown 2 "unknown schedule 'zigzag'" -- schedule --schedule zigzag --ranks 2 --microbatches 4
+expect schedule-precondition 2 "at least as many micro-batches as ranks" -- schedule --schedule 1f1b --ranks 4 --microbatches 2
+expect schedule-bad-costs 2 "expected three positive numbers" -- schedule --schedule gpipe --ranks 2 --microbatches 2 --costs 1,2
+printf '0F0,0SEND_F0,0RECV_B0,0B0\n1F0,1B0,1SEND_B0\n' > "$TMP/broken.csv"
+expect schedule-broken-csv 2 "no RECV_F (1RECV_F0)" -- schedule --from-csv "$TMP/broken.csv"
+if "$PIPPYCTL" schedule --schedule 1f1b --ranks 4 --microbatches 8 --csv "$TMP/s.csv" --svg "$TMP/s.svg" > "$TMP/out.txt" &&
+   grep -q "mean bubble 27.3%" "$TMP/out.txt" && grep -q "<svg" "$TMP/s.svg" &&
+   "$PIPPYCTL" schedule --from-csv "$TMP/s.csv" | grep -q "mean bubble 27.3%"; then
+  echo "ok   schedule-csv-svg"; passed=$((passed + 1))
+else
+  echo "FAIL schedule-csv-svg"; cat "$TMP/out.txt"; failed=$((failed + 1))
+fi
+if "$PIPPYCTL" schedule --schedule zbv --ranks 2 --microbatches 4 --output json |
+   /usr/bin/python3 -c "import json,sys; d=json.load(sys.stdin); assert d['stages']==4 and len(d['per_rank'])==2"; then
+  echo "ok   schedule-json"; passed=$((passed + 1))
+else
+  echo "FAIL schedule-json"; failed=$((failed + 1))
 fi
 
 echo "$passed passed, $failed failed"
