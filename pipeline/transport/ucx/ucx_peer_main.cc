@@ -1,0 +1,65 @@
+// A peer process for UCX tests and benchmarks: rank 1 of 2.
+//
+//   ucx_peer --tls TLS --mode echo|stream|pingpong [--bytes N] [--iters N]
+//
+// Prints "ADDRESS <hex>" (its worker address) on stdout, reads rank 0's from stdin, connects, then:
+//   echo      receives values (tag mb = 0, 1, ...) and sends each back, until a
+//             receive fails (rank 0 gone or a None value: stop)
+//   stream    sends N-byte tensors forever (tag mb = i) — to be killed mid-transfer
+//   pingpong  answers `iters` messages of `bytes` bytes (benchmarks)
+#include <unistd.h>
+
+#include <iostream>
+#include <string>
+
+#include "ATen/ATen.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
+#include "pipeline/transport/ucx/ucx_transport.h"
+
+using namespace pippy::transport;
+
+int main(int argc, char** argv) {
+  std::string tls = "tcp,self", mode = "echo";
+  int64_t bytes = 1 << 20, iters = 100;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    std::string k = argv[i], v = argv[i + 1];
+    if (k == "--tls") tls = v;
+    else if (k == "--mode") mode = v;
+    else if (k == "--bytes") (void)absl::SimpleAtoi(v, &bytes);
+    else if (k == "--iters") (void)absl::SimpleAtoi(v, &iters);
+  }
+  ucx::Options o;
+  o.ucx_config = {{"TLS", tls}};
+  if (tls.find("tcp") != std::string::npos) o.ucx_config.push_back({"NET_DEVICES", "lo"});
+  auto t = ucx::UcxTransport::Create(1, 2, o);
+  if (!t.ok()) {
+    std::cerr << "ucx_peer: " << t.status() << "\n";
+    return 1;
+  }
+  std::cout << "ADDRESS " << absl::BytesToHexString((*t)->address()) << std::endl;
+  std::string line;
+  if (!std::getline(std::cin, line)) return 1;
+  std::vector<std::string> addrs = {absl::HexStringToBytes(line), (*t)->address()};
+  absl::Status c = (*t)->Connect(addrs);
+  if (!c.ok()) {
+    std::cerr << "ucx_peer: " << c << "\n";
+    return 1;
+  }
+  Tag tag;
+  tag.kind = Tag::Kind::kActivation;
+  if (mode == "stream") {
+    at::Tensor x = at::ones({bytes / 4}, at::kFloat);
+    for (uint32_t i = 0;; ++i) {
+      tag.microbatch = i % 4096;
+      (*t)->Send(0, tag, x)->Wait(absl::Seconds(60)).IgnoreError();
+    }
+  }
+  for (uint32_t i = 0; mode == "echo" || i < iters; ++i) {
+    tag.microbatch = i % 4096;
+    auto r = (*t)->Recv(0, tag);
+    if (!r->Wait(absl::Seconds(60)).ok() || r->Value().isNone()) break;
+    if (!(*t)->Send(0, tag, r->Value())->Wait(absl::Seconds(60)).ok()) break;
+  }
+  return 0;
+}

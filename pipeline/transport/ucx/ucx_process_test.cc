@@ -1,0 +1,161 @@
+// UCX between two real processes (this test and ucx_peer): transfer across process
+// boundaries, and a peer killed with SIGKILL mid-transfer — the survivor's pending
+// operations fail with UNAVAILABLE within the deadline instead of hanging.
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+
+#include "ATen/ATen.h"
+#include "absl/strings/escaping.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "pipeline/transport/ucx/ucx_transport.h"
+
+extern char** environ;
+
+namespace pippy::transport::ucx {
+namespace {
+
+using testing::HasSubstr;
+
+// The child process, stopped by its pid when the test ends.
+class Peer {
+ public:
+  Peer(const std::string& tls, const std::string& mode, int64_t bytes = 1 << 20) {
+    int to_child[2], from_child[2];
+    EXPECT_EQ(pipe(to_child), 0);
+    EXPECT_EQ(pipe(from_child), 0);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, to_child[0], 0);
+    posix_spawn_file_actions_adddup2(&fa, from_child[1], 1);
+    posix_spawn_file_actions_addclose(&fa, to_child[1]);
+    posix_spawn_file_actions_addclose(&fa, from_child[0]);
+    std::string b = std::to_string(bytes);
+    const char* argv[] = {"pipeline/transport/ucx/ucx_peer", "--tls", tls.c_str(), "--mode", mode.c_str(),
+                          "--bytes", b.c_str(), nullptr};
+    EXPECT_EQ(posix_spawn(&pid_, argv[0], &fa, nullptr, const_cast<char**>(argv), environ), 0);
+    posix_spawn_file_actions_destroy(&fa);
+    close(to_child[0]);
+    close(from_child[1]);
+    to_ = fdopen(to_child[1], "w");
+    from_ = fdopen(from_child[0], "r");
+  }
+  ~Peer() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    if (to_) fclose(to_);
+    if (from_) fclose(from_);
+  }
+  std::string ReadAddress() {
+    char buf[8192];
+    while (fgets(buf, sizeof(buf), from_)) {  // skip anything UCX itself prints
+      std::string line(buf);
+      if (line.rfind("ADDRESS ", 0) != 0) continue;
+      std::string hex = line.substr(8);
+      while (!hex.empty() && (hex.back() == '\n' || hex.back() == '\r')) hex.pop_back();
+      return absl::HexStringToBytes(hex);
+    }
+    return "";
+  }
+  void SendAddress(const std::string& addr) {
+    fprintf(to_, "%s\n", absl::BytesToHexString(addr).c_str());
+    fflush(to_);
+  }
+  void Kill() {
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  FILE* to_ = nullptr;
+  FILE* from_ = nullptr;
+};
+
+class UcxProcessTest : public testing::TestWithParam<std::string> {
+ protected:
+  std::unique_ptr<UcxTransport> Connect(Peer* peer) {
+    Options o;
+    o.ucx_config = {{"TLS", GetParam()}};
+    if (GetParam().find("tcp") != std::string::npos) o.ucx_config.push_back({"NET_DEVICES", "lo"});
+    auto t = UcxTransport::Create(0, 2, o);
+    EXPECT_TRUE(t.ok()) << t.status();
+    std::string child = peer->ReadAddress();
+    peer->SendAddress((*t)->address());
+    absl::Status s = (*t)->Connect({(*t)->address(), child});
+    EXPECT_TRUE(s.ok()) << s;
+    return std::move(*t);
+  }
+};
+
+Tag T(uint32_t mb) {
+  Tag t;
+  t.kind = Tag::Kind::kActivation;
+  t.microbatch = mb;
+  return t;
+}
+
+TEST_P(UcxProcessTest, EchoAcrossProcesses_ValuesComeBackIntact) {
+  Peer peer(GetParam(), "echo");
+  auto t = Connect(&peer);
+  std::vector<c10::IValue> values = {at::randn({4, 5}), at::arange(1 << 20, at::kLong), at::ones({0}),
+                                     c10::ivalue::Tuple::create({at::randn({3}).t(), c10::IValue(), int64_t{9}}),
+                                     at::randn({8, 8}).t()};
+  for (uint32_t i = 0; i < values.size(); ++i) {
+    auto s = t->Send(1, T(i), values[i]);
+    auto r = t->Recv(1, T(i));
+    ASSERT_TRUE(r->Wait(absl::Seconds(20)).ok());
+    ASSERT_TRUE(s->Wait(absl::Seconds(20)).ok());
+    auto got = r->Value();
+    if (values[i].isTensor()) {
+      EXPECT_TRUE(got.toTensor().equal(values[i].toTensor())) << i;
+    } else {
+      EXPECT_TRUE(got.toTupleRef().elements()[0].toTensor().equal(values[i].toTupleRef().elements()[0].toTensor()));
+      EXPECT_TRUE(got.toTupleRef().elements()[1].isNone());
+      EXPECT_EQ(got.toTupleRef().elements()[2].toInt(), 9);
+    }
+  }
+  t->Send(1, T(static_cast<uint32_t>(values.size())), c10::IValue());  // tell the peer to stop
+}
+
+TEST_P(UcxProcessTest, PeerKilledMidTransfer_SurvivorFailsWithinDeadline) {
+  Peer peer(GetParam(), "stream", 64 << 20);
+  auto t = Connect(&peer);
+  auto first = t->Recv(1, T(0));
+  ASSERT_TRUE(first->Wait(absl::Seconds(30)).ok());  // data is flowing
+  auto pending = t->Recv(1, T(1));
+  auto later = t->Recv(1, T(2));
+  peer.Kill();
+  auto start = std::chrono::steady_clock::now();
+  absl::Status s1 = pending->Wait(absl::Seconds(15));
+  absl::Status s2 = later->Wait(absl::Seconds(15));
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  // The first may have completed just before the kill; what is still pending must fail.
+  if (!s1.ok()) {
+    EXPECT_EQ(s1.code(), absl::StatusCode::kUnavailable) << s1;
+    EXPECT_THAT(s1.message(), HasSubstr("rank 1"));
+  }
+  EXPECT_EQ(s2.code(), absl::StatusCode::kUnavailable) << s2;
+  EXPECT_THAT(s2.message(), HasSubstr("peer rank 1 is gone"));
+  EXPECT_LT(seconds, 15);
+  std::cout << "[ figure   ] " << GetParam() << ": peer death noticed after " << seconds << " s\n";
+  // Later operations with the dead peer fail at once.
+  EXPECT_EQ(t->Send(1, T(3), at::ones({4}))->Wait(absl::Seconds(5)).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(t->Recv(1, T(4))->Wait(absl::Seconds(5)).code(), absl::StatusCode::kUnavailable);
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, UcxProcessTest, testing::Values("sm,self", "tcp,self"),
+                         [](const testing::TestParamInfo<std::string>& i) {
+                           return i.param.find("tcp") != std::string::npos ? "tcp" : "shm";
+                         });
+
+}  // namespace
+}  // namespace pippy::transport::ucx

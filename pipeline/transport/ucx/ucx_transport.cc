@@ -1,0 +1,675 @@
+#include "pipeline/transport/ucx/ucx_transport.h"
+
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <ucp/api/ucp.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <set>
+#include <thread>
+
+#include "ATen/ATen.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "common/log.h"
+
+namespace pippy::transport::ucx {
+namespace {
+
+constexpr size_t kMaxHeader = 64 * 1024;
+constexpr uint32_t kMagic = 0x50505931;  // "PPY1"
+
+// UCX tag: [sender rank 8][part 1][kind 3][step 12][mb 12][src stage 8][dst stage 8][index 12].
+uint64_t UcxTag(int sender, int part, const Tag& t) {
+  return (static_cast<uint64_t>(sender) & 0xFF) << 56 | (static_cast<uint64_t>(part) & 1) << 55 |
+         (static_cast<uint64_t>(t.kind) & 0x7) << 52 | (static_cast<uint64_t>(t.step) & 0xFFF) << 40 |
+         (static_cast<uint64_t>(t.microbatch) & 0xFFF) << 28 | (static_cast<uint64_t>(t.src_stage) & 0xFF) << 20 |
+         (static_cast<uint64_t>(t.dst_stage) & 0xFF) << 12 | (static_cast<uint64_t>(t.index) & 0xFFF);
+}
+
+std::string UcsError(ucs_status_t s) { return ucs_status_string(s); }
+
+// ---- value <-> header + tensors -------------------------------------------------
+
+enum Kind : uint8_t { kNone = 0, kTensor = 1, kInt = 2, kDouble = 3, kBool = 4, kTuple = 5, kList = 6, kString = 7 };
+
+template <typename T>
+void Put(std::string* out, T v) {
+  out->append(reinterpret_cast<const char*>(&v), sizeof(T));
+}
+
+absl::Status Encode(const c10::IValue& v, std::string* out, std::vector<at::Tensor>* tensors) {
+  if (v.isNone()) {
+    Put<uint8_t>(out, kNone);
+  } else if (v.isTensor()) {
+    at::Tensor t = v.toTensor();
+    if (!t.device().is_cpu()) return absl::InvalidArgumentError("the UCX transport sends CPU tensors");
+    t = t.detach().contiguous();
+    Put<uint8_t>(out, kTensor);
+    Put<uint8_t>(out, static_cast<uint8_t>(t.scalar_type()));
+    Put<uint8_t>(out, static_cast<uint8_t>(t.dim()));
+    for (int64_t d : t.sizes()) Put<int64_t>(out, d);
+    tensors->push_back(t);
+  } else if (v.isInt()) {
+    Put<uint8_t>(out, kInt);
+    Put<int64_t>(out, v.toInt());
+  } else if (v.isDouble()) {
+    Put<uint8_t>(out, kDouble);
+    Put<double>(out, v.toDouble());
+  } else if (v.isBool()) {
+    Put<uint8_t>(out, kBool);
+    Put<uint8_t>(out, v.toBool() ? 1 : 0);
+  } else if (v.isString()) {
+    const std::string& s = v.toStringRef();
+    Put<uint8_t>(out, kString);
+    Put<uint32_t>(out, static_cast<uint32_t>(s.size()));
+    out->append(s);
+  } else if (v.isTuple() || v.isList()) {
+    std::vector<c10::IValue> elems = v.isTuple() ? v.toTupleRef().elements().vec() : v.toListRef().vec();
+    Put<uint8_t>(out, v.isTuple() ? kTuple : kList);
+    Put<uint32_t>(out, static_cast<uint32_t>(elems.size()));
+    for (const auto& e : elems) {
+      absl::Status s = Encode(e, out, tensors);
+      if (!s.ok()) return s;
+    }
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("cannot send a value of type ", v.tagKind()));
+  }
+  return absl::OkStatus();
+}
+
+struct Reader {
+  const char* p;
+  const char* end;
+  template <typename T>
+  bool Get(T* v) {
+    if (end - p < static_cast<ptrdiff_t>(sizeof(T))) return false;
+    std::memcpy(v, p, sizeof(T));
+    p += sizeof(T);
+    return true;
+  }
+};
+
+// Rebuilds the value, allocating (empty) tensors to receive the payload into.
+bool Decode(Reader* r, c10::IValue* v, std::vector<at::Tensor>* tensors, int depth = 0) {
+  uint8_t kind;
+  if (depth > 64 || !r->Get(&kind)) return false;
+  switch (kind) {
+    case kNone: *v = c10::IValue(); return true;
+    case kTensor: {
+      uint8_t dtype, ndim;
+      if (!r->Get(&dtype) || !r->Get(&ndim)) return false;
+      std::vector<int64_t> sizes(ndim);
+      for (auto& d : sizes) {
+        if (!r->Get(&d) || d < 0) return false;
+      }
+      at::Tensor t = at::empty(sizes, at::TensorOptions().dtype(static_cast<c10::ScalarType>(dtype)));
+      tensors->push_back(t);
+      *v = t;
+      return true;
+    }
+    case kInt: { int64_t x; if (!r->Get(&x)) return false; *v = x; return true; }
+    case kDouble: { double x; if (!r->Get(&x)) return false; *v = x; return true; }
+    case kBool: { uint8_t x; if (!r->Get(&x)) return false; *v = x != 0; return true; }
+    case kString: {
+      uint32_t n;
+      if (!r->Get(&n) || r->end - r->p < n) return false;
+      *v = std::string(r->p, n);
+      r->p += n;
+      return true;
+    }
+    case kTuple:
+    case kList: {
+      uint32_t n;
+      if (!r->Get(&n)) return false;
+      std::vector<c10::IValue> elems(n);
+      for (auto& e : elems) {
+        if (!Decode(r, &e, tensors, depth + 1)) return false;
+      }
+      if (kind == kTuple) {
+        *v = c10::ivalue::Tuple::create(std::move(elems));
+      } else {
+        c10::impl::GenericList list(c10::AnyType::get());
+        for (auto& e : elems) list.push_back(e);
+        *v = list;
+      }
+      return true;
+    }
+    default: return false;
+  }
+}
+
+class Impl;
+
+// One Send or Recv: the Work handed to the caller and the record the progress thread
+// keeps until UCX is done with its buffers.
+class Op : public Work, public std::enable_shared_from_this<Op> {
+ public:
+  Op(Impl* owner, bool is_recv, int self, int peer, const Tag& tag)
+      : owner_(owner), is_recv_(is_recv), self_(self), peer_(peer), tag_(tag) {}
+
+  absl::Status Wait(absl::Duration timeout) override {
+    absl::MutexLock lock(&mu_);
+    auto done = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return finished_; };
+    if (!mu_.AwaitWithTimeout(absl::Condition(&done), timeout)) {
+      return absl::DeadlineExceededError(absl::StrCat("rank ", self_, ": ", is_recv_ ? "receive from" : "send to",
+                                                      " rank ", peer_, " (", tag_.ToString(),
+                                                      ") did not complete within ", absl::FormatDuration(timeout)));
+    }
+    return status_;
+  }
+  bool IsCompleted() override {
+    absl::MutexLock lock(&mu_);
+    return finished_;
+  }
+  void Cancel() override;
+  c10::IValue Value() override {
+    absl::MutexLock lock(&mu_);
+    return value_;
+  }
+  bool Finish(absl::Status status, c10::IValue value = {}) {
+    absl::MutexLock lock(&mu_);
+    if (finished_) return false;
+    finished_ = true;
+    status_ = std::move(status);
+    value_ = std::move(value);
+    return true;
+  }
+
+  // Progress-thread state.
+  Impl* owner_;
+  const bool is_recv_;
+  const int self_, peer_;
+  const Tag tag_;
+  std::string header;
+  std::vector<at::Tensor> tensors;
+  std::vector<ucp_dt_iov_t> iov;
+  c10::IValue pending_value;
+  std::set<void*> requests;  // outstanding UCX requests
+  bool payload_posted = false;
+
+ private:
+  absl::Mutex mu_;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+  c10::IValue value_ ABSL_GUARDED_BY(mu_);
+};
+
+struct EpErrorArg {
+  Impl* impl;
+  int peer;
+};
+
+class Impl : public UcxTransport {
+ public:
+  Impl(int rank, int n) : rank_(rank), n_(n), dead_(n, false), err_args_(n) {}
+
+  ~Impl() override { Shutdown(); }
+
+  absl::Status Init(const Options& options) {
+    // Peer-failure detection on shared memory needs this before ucp_init.
+    setenv("UCX_MM_ERROR_HANDLING", "y", 0);
+    // UCX warns on stdout about that setting when no shared-memory transport is used.
+    setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 0);
+    ucp_config_t* config = nullptr;
+    ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
+    if (s != UCS_OK) return absl::UnavailableError(absl::StrCat("ucp_config_read: ", UcsError(s)));
+    if (getenv("UCX_KEEPALIVE_INTERVAL") == nullptr) ucp_config_modify(config, "KEEPALIVE_INTERVAL", "200ms");
+    for (const auto& [k, v] : options.ucx_config) {
+      s = ucp_config_modify(config, k.c_str(), v.c_str());
+      if (s != UCS_OK) {
+        ucp_config_release(config);
+        return absl::InvalidArgumentError(absl::StrCat("UCX setting ", k, "=", v, ": ", UcsError(s)));
+      }
+    }
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES;
+    params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+    s = ucp_init(&params, config, &context_);
+    ucp_config_release(config);
+    if (s != UCS_OK) return absl::UnavailableError(absl::StrCat("ucp_init: ", UcsError(s)));
+    ucp_worker_params_t wp{};
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE | UCP_WORKER_PARAM_FIELD_EVENTS;
+    wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+    wp.events = UCP_WAKEUP_TAG_SEND | UCP_WAKEUP_TAG_RECV | UCP_WAKEUP_RX | UCP_WAKEUP_TX;
+    s = ucp_worker_create(context_, &wp, &worker_);
+    if (s != UCS_OK) return absl::UnavailableError(absl::StrCat("ucp_worker_create: ", UcsError(s)));
+    ucp_address_t* addr = nullptr;
+    size_t len = 0;
+    s = ucp_worker_get_address(worker_, &addr, &len);
+    if (s != UCS_OK) return absl::UnavailableError(absl::StrCat("ucp_worker_get_address: ", UcsError(s)));
+    address_.assign(reinterpret_cast<const char*>(addr), len);
+    ucp_worker_release_address(worker_, addr);
+    s = ucp_worker_get_efd(worker_, &ucx_efd_);
+    if (s != UCS_OK) return absl::UnavailableError(absl::StrCat("ucp_worker_get_efd: ", UcsError(s)));
+    wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
+    for (int fd : {ucx_efd_, wake_fd_}) {
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      ev.data.fd = fd;
+      epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev);
+    }
+    eps_.assign(n_, nullptr);
+    progress_ = std::thread([this] { ProgressLoop(); });
+    return absl::OkStatus();
+  }
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return n_; }
+  std::string address() const override { return address_; }
+
+  absl::Status Connect(const std::vector<std::string>& addresses) override {
+    if (static_cast<int>(addresses.size()) != n_) {
+      return absl::InvalidArgumentError(absl::StrCat("Connect needs ", n_, " addresses, got ", addresses.size()));
+    }
+    absl::Status result;
+    absl::Notification done;
+    Enqueue([&] {
+      for (int r = 0; r < n_; ++r) {
+        err_args_[r] = {this, r};
+        ucp_ep_params_t ep{};
+        ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                        UCP_EP_PARAM_FIELD_ERR_HANDLER;
+        ep.address = reinterpret_cast<const ucp_address_t*>(addresses[r].data());
+        ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+        ep.err_handler.cb = &Impl::OnEndpointError;
+        ep.err_handler.arg = &err_args_[r];
+        ucs_status_t s = ucp_ep_create(worker_, &ep, &eps_[r]);
+        if (s != UCS_OK) {
+          result = absl::UnavailableError(absl::StrCat("rank ", rank_, ": cannot create a UCX endpoint to rank ", r,
+                                                       ": ", UcsError(s)));
+          break;
+        }
+      }
+      done.Notify();
+    });
+    done.WaitForNotification();
+    if (!result.ok()) return result;
+    // Hello barrier: wires every endpoint both ways so failures are noticed.
+    Tag hello;
+    hello.kind = Tag::Kind::kControl;
+    std::vector<std::shared_ptr<Work>> works;
+    for (int r = 0; r < n_; ++r) {
+      if (r == rank_) continue;
+      works.push_back(Send(r, hello, c10::IValue(int64_t{rank_})));
+      works.push_back(Recv(r, hello));
+    }
+    std::vector<std::string> missing;
+    for (auto& w : works) {
+      absl::Status s = w->Wait(connect_timeout_);
+      if (!s.ok()) missing.push_back(std::string(s.message()));
+    }
+    if (!missing.empty()) {
+      return absl::DeadlineExceededError(absl::StrCat("rank ", rank_, " could not reach every peer: ",
+                                                      absl::StrJoin(missing, "; ")));
+    }
+    return absl::OkStatus();
+  }
+
+  std::shared_ptr<Work> Send(int peer, const Tag& tag, c10::IValue value) override {
+    auto op = std::make_shared<Op>(this, false, rank_, peer, tag);
+    if (peer < 0 || peer >= n_) {
+      op->Finish(absl::InvalidArgumentError(absl::StrCat("no rank ", peer, " (world size ", n_, ")")));
+      return op;
+    }
+    Put<uint32_t>(&op->header, kMagic);
+    absl::Status enc = Encode(value, &op->header, &op->tensors);
+    if (!enc.ok() || op->header.size() > kMaxHeader) {
+      op->Finish(enc.ok() ? absl::InvalidArgumentError("value structure too large for one message") : enc);
+      return op;
+    }
+    for (const at::Tensor& t : op->tensors) {
+      size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+      if (bytes > 0) op->iov.push_back({t.data_ptr(), bytes});
+    }
+    Enqueue([this, op] { StartSend(op); });
+    return op;
+  }
+
+  std::shared_ptr<Work> Recv(int peer, const Tag& tag) override {
+    auto op = std::make_shared<Op>(this, true, rank_, peer, tag);
+    if (peer < 0 || peer >= n_) {
+      op->Finish(absl::InvalidArgumentError(absl::StrCat("no rank ", peer, " (world size ", n_, ")")));
+      return op;
+    }
+    Enqueue([this, op] { StartRecv(op); });
+    return op;
+  }
+
+  void CancelOp(const std::shared_ptr<Op>& op) {
+    op->Finish(absl::CancelledError(absl::StrCat("rank ", rank_, ": ", op->tag_.ToString(), " cancelled")));
+    Enqueue([this, op] {
+      // Cancelling may complete the request (and erase it) right here: iterate a copy.
+      std::set<void*> requests = op->requests;
+      for (void* req : requests) ucp_request_cancel(worker_, req);
+    });
+  }
+
+  std::shared_ptr<Op> Find(Op* raw) {
+    auto it = live_.find(raw);
+    return it == live_.end() ? nullptr : it->second;
+  }
+
+ private:
+  void Enqueue(std::function<void()> fn) {
+    {
+      absl::MutexLock lock(&queue_mu_);
+      queue_.push_back(std::move(fn));
+    }
+    uint64_t one = 1;
+    (void)!write(wake_fd_, &one, sizeof(one));
+  }
+
+  bool RunQueued() {
+    std::deque<std::function<void()>> batch;
+    {
+      absl::MutexLock lock(&queue_mu_);
+      batch.swap(queue_);
+    }
+    for (auto& fn : batch) fn();
+    return !batch.empty();
+  }
+
+  void ProgressLoop() {
+    int idle_spins = 0;
+    while (!stop_.load()) {
+      bool work = RunQueued();
+      while (ucp_worker_progress(worker_) != 0) work = true;
+      if (work) {
+        idle_spins = 0;
+        continue;
+      }
+      if (++idle_spins < 200) continue;  // a short spin keeps small-message latency low
+      idle_spins = 0;
+      if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
+      epoll_event events[2];
+      int n = epoll_wait(epoll_fd_, events, 2, 100);
+      for (int i = 0; i < n; ++i) {
+        if (events[i].data.fd == wake_fd_) {
+          uint64_t v;
+          (void)!read(wake_fd_, &v, sizeof(v));
+        }
+      }
+    }
+  }
+
+  ucp_request_param_t Params(Op* op, bool iov) {
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.user_data = op;
+    if (iov) {
+      p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+      p.datatype = ucp_dt_make_iov();
+    }
+    return p;
+  }
+
+  // Records a UCX request; returns false (and fails the op) on an immediate error.
+  bool Track(const std::shared_ptr<Op>& op, ucs_status_ptr_t req, const char* what) {
+    if (UCS_PTR_IS_ERR(req)) {
+      ucs_status_t s = UCS_PTR_STATUS(req);
+      op->Finish(PeerStatus(op.get(), s, what));
+      Retire(op);
+      return false;
+    }
+    if (req != nullptr) {
+      op->requests.insert(req);
+      live_[op.get()] = op;
+    }
+    return true;
+  }
+
+  absl::Status PeerStatus(Op* op, ucs_status_t s, const char* what) {
+    std::string msg = absl::StrCat("rank ", rank_, ": ", what, " rank ", op->peer_, " (", op->tag_.ToString(),
+                                   ") failed: ", UcsError(s));
+    if (s == UCS_ERR_CANCELED) return absl::CancelledError(msg);
+    if (dead_[op->peer_] || s == UCS_ERR_ENDPOINT_TIMEOUT || s == UCS_ERR_CONNECTION_RESET ||
+        s == UCS_ERR_UNREACHABLE) {
+      return absl::UnavailableError(absl::StrCat("rank ", rank_, ": peer rank ", op->peer_, " is gone (",
+                                                 op->tag_.ToString(), "): ", UcsError(s)));
+    }
+    return absl::InternalError(msg);
+  }
+
+  void Retire(const std::shared_ptr<Op>& op) {
+    if (op->requests.empty()) {
+      live_.erase(op.get());
+      pending_by_peer_[op->peer_].erase(op.get());
+    }
+  }
+
+  absl::Status DeadPeer(Op* op) {
+    return absl::UnavailableError(absl::StrCat("rank ", rank_, ": peer rank ", op->peer_, " is gone (",
+                                               op->tag_.ToString(), ")"));
+  }
+
+  void StartSend(const std::shared_ptr<Op>& op) {
+    if (op->IsCompleted()) return;  // cancelled before it started
+    if (eps_[op->peer_] == nullptr) {
+      op->Finish(absl::FailedPreconditionError("Send before Connect"));
+      return;
+    }
+    if (dead_[op->peer_]) {
+      op->Finish(DeadPeer(op.get()));
+      return;
+    }
+    pending_by_peer_[op->peer_][op.get()] = op;
+    live_[op.get()] = op;
+    ucp_request_param_t hp = Params(op.get(), false);
+    hp.cb.send = &Impl::OnSendDone;
+    if (!Track(op, ucp_tag_send_nbx(eps_[op->peer_], op->header.data(), op->header.size(),
+                                    UcxTag(rank_, 0, op->tag_), &hp), "send to")) {
+      return;
+    }
+    if (!op->iov.empty()) {
+      ucp_request_param_t pp = Params(op.get(), true);
+      pp.cb.send = &Impl::OnSendDone;
+      if (!Track(op, ucp_tag_send_nbx(eps_[op->peer_], op->iov.data(), op->iov.size(), UcxTag(rank_, 1, op->tag_),
+                                      &pp), "send to")) {
+        return;
+      }
+    }
+    if (op->requests.empty()) {
+      op->Finish(absl::OkStatus());
+      Retire(op);
+    }
+  }
+
+  static void OnSendDone(void* request, ucs_status_t status, void* user_data) {
+    Op* raw = static_cast<Op*>(user_data);
+    Impl* self = raw->owner_;
+    std::shared_ptr<Op> op = self->Find(raw);
+    ucp_request_free(request);
+    if (op == nullptr) return;
+    op->requests.erase(request);
+    if (status != UCS_OK) op->Finish(self->PeerStatus(raw, status, "send to"));
+    if (op->requests.empty()) {
+      op->Finish(absl::OkStatus());
+      self->Retire(op);
+    }
+  }
+
+  void StartRecv(const std::shared_ptr<Op>& op) {
+    if (op->IsCompleted()) return;
+    if (dead_[op->peer_]) {
+      op->Finish(DeadPeer(op.get()));
+      return;
+    }
+    pending_by_peer_[op->peer_][op.get()] = op;
+    live_[op.get()] = op;
+    op->header.resize(kMaxHeader);
+    ucp_request_param_t p = Params(op.get(), false);
+    // Always complete through the callback, which reports the received length.
+    p.op_attr_mask |= UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    p.cb.recv = &Impl::OnRecvDone;
+    ucs_status_ptr_t req = ucp_tag_recv_nbx(worker_, op->header.data(), op->header.size(),
+                                            UcxTag(op->peer_, 0, op->tag_), ~uint64_t{0}, &p);
+    Track(op, req, "receive from");
+  }
+
+  static void OnRecvDone(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user_data) {
+    Op* raw = static_cast<Op*>(user_data);
+    Impl* self = raw->owner_;
+    std::shared_ptr<Op> op = self->Find(raw);
+    ucp_request_free(request);
+    if (op == nullptr) return;
+    op->requests.erase(request);
+    if (status != UCS_OK) {
+      op->Finish(self->PeerStatus(raw, status, "receive from"));
+      self->Retire(op);
+      return;
+    }
+    if (!op->payload_posted) {
+      self->OnHeader(op, info->length);
+    } else {
+      op->Finish(absl::OkStatus(), op->pending_value);
+      self->Retire(op);
+    }
+  }
+
+  void OnHeader(const std::shared_ptr<Op>& op, size_t length) {
+    Reader r{op->header.data(), op->header.data() + length};
+    uint32_t magic = 0;
+    c10::IValue value;
+    if (!r.Get(&magic) || magic != kMagic || !Decode(&r, &value, &op->tensors)) {
+      op->Finish(absl::DataLossError(absl::StrCat("rank ", rank_, ": malformed message header from rank ",
+                                                  op->peer_, " (", op->tag_.ToString(), ")")));
+      Retire(op);
+      return;
+    }
+    op->header.clear();
+    op->header.shrink_to_fit();
+    op->pending_value = value;
+    for (const at::Tensor& t : op->tensors) {
+      size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+      if (bytes > 0) op->iov.push_back({t.data_ptr(), bytes});
+    }
+    if (op->iov.empty()) {
+      op->Finish(absl::OkStatus(), value);
+      Retire(op);
+      return;
+    }
+    op->payload_posted = true;
+    ucp_request_param_t p = Params(op.get(), true);
+    p.op_attr_mask |= UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    p.cb.recv = &Impl::OnRecvDone;
+    ucs_status_ptr_t req = ucp_tag_recv_nbx(worker_, op->iov.data(), op->iov.size(),
+                                            UcxTag(op->peer_, 1, op->tag_), ~uint64_t{0}, &p);
+    Track(op, req, "receive from");
+  }
+
+  static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) {
+    auto* a = static_cast<EpErrorArg*>(arg);
+    a->impl->FailPeer(a->peer, status);
+  }
+
+  void FailPeer(int peer, ucs_status_t status) {
+    if (dead_[peer]) return;
+    dead_[peer] = true;
+    log::Warn("rank={} UCX endpoint to rank {} failed: {}", rank_, peer, UcsError(status));
+    auto ops = pending_by_peer_[peer];
+    for (auto& [raw, op] : ops) {
+      op->Finish(DeadPeer(op.get()));
+      std::set<void*> requests = op->requests;
+      for (void* req : requests) ucp_request_cancel(worker_, req);
+    }
+  }
+
+  void Shutdown() {
+    if (worker_ == nullptr) return;
+    if (progress_.joinable()) {
+      stop_.store(true);
+      uint64_t one = 1;
+      (void)!write(wake_fd_, &one, sizeof(one));
+      progress_.join();
+    }
+    for (auto& [raw, op] : live_) {
+      op->Finish(absl::UnavailableError(absl::StrCat("rank ", rank_, ": transport shut down")));
+    }
+    for (int r = 0; r < n_; ++r) {
+      if (eps_.size() > static_cast<size_t>(r) && eps_[r] != nullptr) {
+        ucp_request_param_t p{};
+        p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+        p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+        ucs_status_ptr_t req = ucp_ep_close_nbx(eps_[r], &p);
+        for (int i = 0; i < 1000 && UCS_PTR_IS_PTR(req) && ucp_request_check_status(req) == UCS_INPROGRESS; ++i) {
+          ucp_worker_progress(worker_);
+        }
+        if (UCS_PTR_IS_PTR(req)) ucp_request_free(req);
+      }
+    }
+    live_.clear();
+    pending_by_peer_.clear();
+    ucp_worker_destroy(worker_);
+    worker_ = nullptr;
+    ucp_cleanup(context_);
+    if (wake_fd_ >= 0) close(wake_fd_);
+    if (epoll_fd_ >= 0) close(epoll_fd_);
+  }
+
+  const int rank_, n_;
+  absl::Duration connect_timeout_ = absl::Seconds(30);
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  std::string address_;
+  int ucx_efd_ = -1, wake_fd_ = -1, epoll_fd_ = -1;
+  std::thread progress_;
+  std::atomic<bool> stop_{false};
+  absl::Mutex queue_mu_;
+  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(queue_mu_);
+  // Progress thread only.
+  std::vector<ucp_ep_h> eps_;
+  std::vector<bool> dead_;
+  std::vector<EpErrorArg> err_args_;
+  std::map<Op*, std::shared_ptr<Op>> live_;
+  std::map<int, std::map<Op*, std::shared_ptr<Op>>> pending_by_peer_;
+
+  friend class Op;
+};
+
+void Op::Cancel() {
+  if (IsCompleted()) return;
+  owner_->CancelOp(shared_from_this());
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(int rank, int world_size, const Options& options) {
+  if (world_size < 1 || world_size > 256 || rank < 0 || rank >= world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " of ", world_size, ": the UCX transport supports 1..256 ranks"));
+  }
+  auto impl = std::make_unique<Impl>(rank, world_size);
+  absl::Status s = impl->Init(options);
+  if (!s.ok()) return s;
+  return std::unique_ptr<UcxTransport>(std::move(impl));
+}
+
+absl::StatusOr<std::vector<std::unique_ptr<Transport>>> CreateLocalGroup(int n, const Options& options) {
+  std::vector<std::unique_ptr<UcxTransport>> group;
+  std::vector<std::string> addresses;
+  for (int r = 0; r < n; ++r) {
+    auto t = UcxTransport::Create(r, n, options);
+    if (!t.ok()) return t.status();
+    addresses.push_back((*t)->address());
+    group.push_back(std::move(*t));
+  }
+  std::vector<std::thread> threads;
+  std::vector<absl::Status> results(n);
+  for (int r = 0; r < n; ++r) threads.emplace_back([&, r] { results[r] = group[r]->Connect(addresses); });
+  for (auto& t : threads) t.join();
+  for (const auto& s : results) {
+    if (!s.ok()) return s;
+  }
+  std::vector<std::unique_ptr<Transport>> out;
+  for (auto& t : group) out.push_back(std::move(t));
+  return out;
+}
+
+}  // namespace pippy::transport::ucx

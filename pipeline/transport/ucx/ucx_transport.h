@@ -1,0 +1,64 @@
+// UCX backend of transport.h: one UCP context and worker per transport, endpoints to
+// every peer, tagged messages.
+//
+// Wire format (docs/wire_protocol.md): each Send is two UCX tag messages with the
+// same 64-bit UCX tag but for one "part" bit — an eager header that describes the
+// value (structure, dtype and shape of each tensor, non-tensor leaves inline), then
+// one IOV message with every tensor's bytes, sent straight from the tensors' storage
+// (non-contiguous tensors are made contiguous once) and received straight into
+// freshly allocated tensors. No round trip is added for known or changed shapes.
+// The UCX tag carries the sender's rank, so Recv(peer, tag) matches only `peer`.
+// Limits: 256 ranks; Tag.index < 4096; steps are taken modulo 4096.
+//
+// Threads: all UCX calls run on one progress thread owned by the transport; Send,
+// Recv, Cancel and Wait hand work to it through a queue and an eventfd. The progress
+// thread spins briefly, then sleeps on the worker's event fd (ucp_worker_arm) so an
+// idle transport costs no CPU.
+//
+// Failure: endpoints use UCP_ERR_HANDLING_MODE_PEER with a keepalive (default 200 ms,
+// UCX_KEEPALIVE_INTERVAL overrides), and shared-memory transports get
+// UCX_MM_ERROR_HANDLING=y; when a peer dies, every pending operation with it fails
+// with UNAVAILABLE naming the peer, and later ones fail at once.
+//
+// Deployment: UCX_TLS chooses transports (e.g. "sm,self" on one host, "tcp,self"
+// across hosts), UCX_NET_DEVICES the NIC ("lo" for loopback tests).
+#ifndef PIPPY_PIPELINE_TRANSPORT_UCX_UCX_TRANSPORT_H_
+#define PIPPY_PIPELINE_TRANSPORT_UCX_UCX_TRANSPORT_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "pipeline/transport/transport.h"
+
+namespace pippy::transport::ucx {
+
+struct Options {
+  // UCX settings applied to this context ("TLS" -> "tcp,self", "NET_DEVICES" -> "lo");
+  // environment variables UCX_* still win for anything not listed here.
+  std::vector<std::pair<std::string, std::string>> ucx_config;
+  absl::Duration connect_timeout = absl::Seconds(30);
+};
+
+class UcxTransport : public Transport {
+ public:
+  // Creates the context and worker and starts the progress thread.
+  // Errors: UNAVAILABLE with UCX's message when UCX cannot start.
+  static absl::StatusOr<std::unique_ptr<UcxTransport>> Create(int rank, int world_size, const Options& options = {});
+
+  // This worker's address, to hand to the peers (through the control plane).
+  virtual std::string address() const = 0;
+
+  // Connects to every rank (addresses indexed by rank, this one's included) and
+  // waits until each peer has connected back (a hello from every rank), so failures
+  // are detected from then on. Errors: DEADLINE_EXCEEDED naming the missing ranks.
+  virtual absl::Status Connect(const std::vector<std::string>& addresses) = 0;
+};
+
+// Creates `n` connected transports in this process (tests and benchmarks).
+absl::StatusOr<std::vector<std::unique_ptr<Transport>>> CreateLocalGroup(int n, const Options& options = {});
+
+}  // namespace pippy::transport::ucx
+
+#endif  // PIPPY_PIPELINE_TRANSPORT_UCX_UCX_TRANSPORT_H_
