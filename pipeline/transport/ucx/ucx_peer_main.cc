@@ -6,7 +6,8 @@
 //   echo      receives values (tag mb = 0, 1, ...) and sends each back, until a
 //             receive fails (rank 0 gone or a None value: stop)
 //   stream    sends N-byte tensors forever (tag mb = i) — to be killed mid-transfer
-//   pingpong  answers `iters` messages of `bytes` bytes (benchmarks)
+//   sink      receives `iters` messages, then sends one ack (bandwidth benchmark);
+//             repeats for every round until rank 0 sends None
 #include <unistd.h>
 
 #include <iostream>
@@ -53,6 +54,22 @@ int main(int argc, char** argv) {
     for (uint32_t i = 0;; ++i) {
       tag.microbatch = i % 4096;
       (*t)->Send(0, tag, x)->Wait(absl::Seconds(60)).IgnoreError();
+    }
+  }
+  if (mode == "sink") {
+    for (uint32_t round = 0;; ++round) {
+      Tag t0 = tag;
+      t0.step = round;
+      t0.microbatch = 0;
+      auto first = (*t)->Recv(0, t0);  // the round's size and count: (iters) then data
+      if (!first->Wait(absl::Seconds(120)).ok() || first->Value().isNone()) return 0;
+      const int64_t n = first->Value().toInt();
+      for (int64_t i = 1; i <= n; ++i) {
+        Tag ti = t0;
+        ti.microbatch = static_cast<uint32_t>(i % 4096);
+        if (!(*t)->Recv(0, ti)->Wait(absl::Seconds(120)).ok()) return 1;
+      }
+      (*t)->Send(0, t0, c10::IValue(int64_t{1}))->Wait(absl::Seconds(120)).IgnoreError();
     }
   }
   for (uint32_t i = 0; mode == "echo" || i < iters; ++i) {

@@ -5,6 +5,8 @@
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -96,8 +98,10 @@ struct Reader {
   }
 };
 
+using Allocator = std::function<at::Tensor(const std::vector<int64_t>&, c10::ScalarType)>;
+
 // Rebuilds the value, allocating (empty) tensors to receive the payload into.
-bool Decode(Reader* r, c10::IValue* v, std::vector<at::Tensor>* tensors, int depth = 0) {
+bool Decode(Reader* r, c10::IValue* v, std::vector<at::Tensor>* tensors, const Allocator& alloc, int depth = 0) {
   uint8_t kind;
   if (depth > 64 || !r->Get(&kind)) return false;
   switch (kind) {
@@ -109,7 +113,8 @@ bool Decode(Reader* r, c10::IValue* v, std::vector<at::Tensor>* tensors, int dep
       for (auto& d : sizes) {
         if (!r->Get(&d) || d < 0) return false;
       }
-      at::Tensor t = at::empty(sizes, at::TensorOptions().dtype(static_cast<c10::ScalarType>(dtype)));
+      if (dtype >= static_cast<uint8_t>(c10::ScalarType::NumOptions)) return false;
+      at::Tensor t = alloc(sizes, static_cast<c10::ScalarType>(dtype));
       tensors->push_back(t);
       *v = t;
       return true;
@@ -130,7 +135,7 @@ bool Decode(Reader* r, c10::IValue* v, std::vector<at::Tensor>* tensors, int dep
       if (!r->Get(&n)) return false;
       std::vector<c10::IValue> elems(n);
       for (auto& e : elems) {
-        if (!Decode(r, &e, tensors, depth + 1)) return false;
+        if (!Decode(r, &e, tensors, alloc, depth + 1)) return false;
       }
       if (kind == kTuple) {
         *v = c10::ivalue::Tuple::create(std::move(elems));
@@ -154,16 +159,7 @@ class Op : public Work, public std::enable_shared_from_this<Op> {
   Op(Impl* owner, bool is_recv, int self, int peer, const Tag& tag)
       : owner_(owner), is_recv_(is_recv), self_(self), peer_(peer), tag_(tag) {}
 
-  absl::Status Wait(absl::Duration timeout) override {
-    absl::MutexLock lock(&mu_);
-    auto done = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return finished_; };
-    if (!mu_.AwaitWithTimeout(absl::Condition(&done), timeout)) {
-      return absl::DeadlineExceededError(absl::StrCat("rank ", self_, ": ", is_recv_ ? "receive from" : "send to",
-                                                      " rank ", peer_, " (", tag_.ToString(),
-                                                      ") did not complete within ", absl::FormatDuration(timeout)));
-    }
-    return status_;
-  }
+  absl::Status Wait(absl::Duration timeout) override;
   bool IsCompleted() override {
     absl::MutexLock lock(&mu_);
     return finished_;
@@ -179,6 +175,7 @@ class Op : public Work, public std::enable_shared_from_this<Op> {
     finished_ = true;
     status_ = std::move(status);
     value_ = std::move(value);
+    finished_fast_.store(true, std::memory_order_release);
     return true;
   }
 
@@ -197,6 +194,7 @@ class Op : public Work, public std::enable_shared_from_this<Op> {
  private:
   absl::Mutex mu_;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  std::atomic<bool> finished_fast_{false};  // mirrors finished_ for spinning without the lock
   absl::Status status_ ABSL_GUARDED_BY(mu_);
   c10::IValue value_ ABSL_GUARDED_BY(mu_);
 };
@@ -350,6 +348,7 @@ class Impl : public UcxTransport {
       std::set<void*> requests = op->requests;
       for (void* req : requests) ucp_request_cancel(worker_, req);
     });
+    (void)0;
   }
 
   std::shared_ptr<Op> Find(Op* raw) {
@@ -358,45 +357,68 @@ class Impl : public UcxTransport {
   }
 
  private:
-  void Enqueue(std::function<void()> fn) {
+  // Runs `fn` with the worker lock held (UCX calls and the state below), then makes
+  // sure someone keeps progressing: a sleeping progress thread is woken.
+  void Enqueue(const std::function<void()>& fn) {
     {
-      absl::MutexLock lock(&queue_mu_);
-      queue_.push_back(std::move(fn));
+      absl::MutexLock lock(&worker_mu_);
+      fn();
     }
-    uint64_t one = 1;
-    (void)!write(wake_fd_, &one, sizeof(one));
+    Wake();
   }
 
-  bool RunQueued() {
-    std::deque<std::function<void()>> batch;
-    {
-      absl::MutexLock lock(&queue_mu_);
-      batch.swap(queue_);
+  void Wake() {
+    if (sleeping_.load()) {
+      uint64_t one = 1;
+      (void)!write(wake_fd_, &one, sizeof(one));
     }
-    for (auto& fn : batch) fn();
-    return !batch.empty();
   }
 
+ public:
+  // Progresses the worker if no other thread is doing it. Returns whether it did.
+  bool TryProgress() {
+    if (!worker_mu_.TryLock()) return false;
+    for (int i = 0; i < 64 && ucp_worker_progress(worker_) != 0; ++i) {
+    }
+    worker_mu_.Unlock();
+    return true;
+  }
+
+ private:
+
+  // The background progress thread keeps UCX moving when no caller is waiting (sends
+  // in flight, keepalive, peer-failure detection). While there is traffic it polls;
+  // idle, it sleeps on the worker's event fd (0% CPU). Waiting callers progress the
+  // worker themselves, which is what keeps small-message latency low.
   void ProgressLoop() {
-    int idle_spins = 0;
+    auto last_activity = std::chrono::steady_clock::now();
     while (!stop_.load()) {
-      bool work = RunQueued();
-      while (ucp_worker_progress(worker_) != 0) work = true;
-      if (work) {
-        idle_spins = 0;
+      bool work = false;
+      {
+        absl::MutexLock lock(&worker_mu_);
+        while (ucp_worker_progress(worker_) != 0) work = true;
+      }
+      auto now = std::chrono::steady_clock::now();
+      if (work) last_activity = now;
+      if (now - last_activity < std::chrono::microseconds(100)) {
+        std::this_thread::yield();
         continue;
       }
-      if (++idle_spins < 200) continue;  // a short spin keeps small-message latency low
-      idle_spins = 0;
-      if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
+      {
+        absl::MutexLock lock(&worker_mu_);
+        if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
+        sleeping_.store(true);
+      }
       epoll_event events[2];
-      int n = epoll_wait(epoll_fd_, events, 2, 100);
+      int n = epoll_wait(epoll_fd_, events, 2, 50);
+      sleeping_.store(false);
       for (int i = 0; i < n; ++i) {
         if (events[i].data.fd == wake_fd_) {
           uint64_t v;
           (void)!read(wake_fd_, &v, sizeof(v));
         }
       }
+      last_activity = std::chrono::steady_clock::now();
     }
   }
 
@@ -469,10 +491,14 @@ class Impl : public UcxTransport {
       return;
     }
     if (!op->iov.empty()) {
-      ucp_request_param_t pp = Params(op.get(), true);
+      // One tensor (the usual case): a contiguous buffer, which keeps UCX on its
+      // zero-copy rendezvous protocols; several: one scatter-gather (IOV) message.
+      const bool single = op->iov.size() == 1;
+      ucp_request_param_t pp = Params(op.get(), !single);
       pp.cb.send = &Impl::OnSendDone;
-      if (!Track(op, ucp_tag_send_nbx(eps_[op->peer_], op->iov.data(), op->iov.size(), UcxTag(rank_, 1, op->tag_),
-                                      &pp), "send to")) {
+      void* buf = single ? op->iov[0].buffer : static_cast<void*>(op->iov.data());
+      size_t count = single ? op->iov[0].length : op->iov.size();
+      if (!Track(op, ucp_tag_send_nbx(eps_[op->peer_], buf, count, UcxTag(rank_, 1, op->tag_), &pp), "send to")) {
         return;
       }
     }
@@ -538,7 +564,10 @@ class Impl : public UcxTransport {
     Reader r{op->header.data(), op->header.data() + length};
     uint32_t magic = 0;
     c10::IValue value;
-    if (!r.Get(&magic) || magic != kMagic || !Decode(&r, &value, &op->tensors)) {
+    Allocator alloc = [this](const std::vector<int64_t>& sizes, c10::ScalarType dtype) {
+      return AllocateReceive(sizes, dtype);
+    };
+    if (!r.Get(&magic) || magic != kMagic || !Decode(&r, &value, &op->tensors, alloc)) {
       op->Finish(absl::DataLossError(absl::StrCat("rank ", rank_, ": malformed message header from rank ",
                                                   op->peer_, " (", op->tag_.ToString(), ")")));
       Retire(op);
@@ -557,12 +586,34 @@ class Impl : public UcxTransport {
       return;
     }
     op->payload_posted = true;
-    ucp_request_param_t p = Params(op.get(), true);
+    const bool single = op->iov.size() == 1;
+    ucp_request_param_t p = Params(op.get(), !single);
     p.op_attr_mask |= UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
     p.cb.recv = &Impl::OnRecvDone;
-    ucs_status_ptr_t req = ucp_tag_recv_nbx(worker_, op->iov.data(), op->iov.size(),
-                                            UcxTag(op->peer_, 1, op->tag_), ~uint64_t{0}, &p);
+    void* buf = single ? op->iov[0].buffer : static_cast<void*>(op->iov.data());
+    size_t count = single ? op->iov[0].length : op->iov.size();
+    ucs_status_ptr_t req = ucp_tag_recv_nbx(worker_, buf, count, UcxTag(op->peer_, 1, op->tag_), ~uint64_t{0}, &p);
     Track(op, req, "receive from");
+  }
+
+  // Receive buffers: a fresh 64 MiB tensor costs page faults (~2 GB/s), so buffers
+  // are reused once nothing but the pool references their storage.
+  at::Tensor AllocateReceive(const std::vector<int64_t>& sizes, c10::ScalarType dtype) {
+    const auto options = at::TensorOptions().dtype(dtype);
+    int64_t numel = 1;
+    for (int64_t d : sizes) numel *= d;
+    const int64_t nbytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+    if (nbytes < (64 << 10)) return at::empty(sizes, options);  // small: the allocator is fast
+    auto& bucket = pool_[nbytes];
+    for (at::Tensor& buf : bucket) {
+      if (buf.storage().use_count() == 1) return buf.view(dtype).view(sizes);
+    }
+    at::Tensor buf = at::empty({nbytes}, at::kByte);
+    if (bucket.size() < 4 && pool_bytes_ + nbytes <= (int64_t{2} << 30)) {
+      bucket.push_back(buf);
+      pool_bytes_ += nbytes;
+    }
+    return buf.view(dtype).view(sizes);
   }
 
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) {
@@ -586,6 +637,7 @@ class Impl : public UcxTransport {
     if (worker_ == nullptr) return;
     if (progress_.joinable()) {
       stop_.store(true);
+      sleeping_.store(true);
       uint64_t one = 1;
       (void)!write(wake_fd_, &one, sizeof(one));
       progress_.join();
@@ -607,6 +659,7 @@ class Impl : public UcxTransport {
     }
     live_.clear();
     pending_by_peer_.clear();
+    pool_.clear();
     ucp_worker_destroy(worker_);
     worker_ = nullptr;
     ucp_cleanup(context_);
@@ -622,17 +675,36 @@ class Impl : public UcxTransport {
   int ucx_efd_ = -1, wake_fd_ = -1, epoll_fd_ = -1;
   std::thread progress_;
   std::atomic<bool> stop_{false};
-  absl::Mutex queue_mu_;
-  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(queue_mu_);
-  // Progress thread only.
+  std::atomic<bool> sleeping_{false};
+  // Held for every UCX call and for the state below (callbacks run under it too).
+  absl::Mutex worker_mu_;
   std::vector<ucp_ep_h> eps_;
   std::vector<bool> dead_;
   std::vector<EpErrorArg> err_args_;
   std::map<Op*, std::shared_ptr<Op>> live_;
   std::map<int, std::map<Op*, std::shared_ptr<Op>>> pending_by_peer_;
+  std::map<int64_t, std::vector<at::Tensor>> pool_;
+  int64_t pool_bytes_ = 0;
 
   friend class Op;
 };
+
+absl::Status Op::Wait(absl::Duration timeout) {
+  // Drive UCX from this thread for a while (as ucx_perftest does): no thread hand-off
+  // on the critical path. Then block; the progress thread carries on.
+  const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
+  while (!finished_fast_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < spin_until) {
+    if (!owner_->TryProgress()) std::this_thread::yield();
+  }
+  absl::MutexLock lock(&mu_);
+  auto done = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return finished_; };
+  if (!mu_.AwaitWithTimeout(absl::Condition(&done), timeout)) {
+    return absl::DeadlineExceededError(absl::StrCat("rank ", self_, ": ", is_recv_ ? "receive from" : "send to",
+                                                    " rank ", peer_, " (", tag_.ToString(),
+                                                    ") did not complete within ", absl::FormatDuration(timeout)));
+  }
+  return status_;
+}
 
 void Op::Cancel() {
   if (IsCompleted()) return;
