@@ -1,0 +1,54 @@
+// NCCL backend of transport.h for CUDA tensors between GPUs: ncclSend/ncclRecv on one
+// communicator per pipeline group (the unique id is handed over by the control plane).
+//
+// NCCL matches messages by order, not by tag: for each (sender, receiver) pair the
+// n-th Send meets the n-th Recv. Pipeline schedules post them in the same order on
+// both sides; every message still carries the tag in its header, and a mismatch is an
+// INTERNAL error naming both tags rather than silently wrong data.
+//
+// A message is a header (structure, dtypes, shapes — staged through a small device
+// buffer) and then the tensors' bytes, straight between tensor storages. Sends accept
+// CPU tensors too (copied to the device first); received tensors live on the device.
+//
+// Streams: one NCCL thread issues operations in posting order on a dedicated stream;
+// operations posted together (1F1B's paired send and receive) go into one
+// ncclGroupStart/End. The comm stream waits on an event recorded on the default
+// (compute) stream before a send, and the compute stream waits on the receive's event
+// before the received tensor is used.
+//
+// Failure: NCCL cannot time out a transfer by itself; an operation pending past
+// Options::abort_after aborts the communicator (ncclCommAbort) and fails every pending
+// operation with UNAVAILABLE — a dead peer never hangs the survivor.
+//
+// Built only where CUDA and NCCL are found (//third_party/cuda); elsewhere Create()
+// returns UNIMPLEMENTED.
+#ifndef PIPPY_PIPELINE_TRANSPORT_NCCL_NCCL_TRANSPORT_H_
+#define PIPPY_PIPELINE_TRANSPORT_NCCL_NCCL_TRANSPORT_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "pipeline/transport/transport.h"
+
+namespace pippy::transport::nccl {
+
+struct Options {
+  int device = 0;                                   // CUDA device of this rank
+  absl::Duration abort_after = absl::Seconds(300);  // then ncclCommAbort
+};
+
+// Number of CUDA devices visible (0 where there is no GPU or no CUDA build).
+int VisibleDevices();
+
+// A new NCCL unique id (bytes) for rank 0 to hand to the others.
+absl::StatusOr<std::string> NewUniqueId();
+
+// Joins the communicator `unique_id` as `rank` of `world_size` (collective: every rank
+// must call it). Errors: UNIMPLEMENTED without CUDA; UNAVAILABLE with NCCL's message.
+absl::StatusOr<std::unique_ptr<Transport>> Create(int rank, int world_size, const std::string& unique_id,
+                                                  const Options& options = {});
+
+}  // namespace pippy::transport::nccl
+
+#endif  // PIPPY_PIPELINE_TRANSPORT_NCCL_NCCL_TRANSPORT_H_

@@ -1,0 +1,41 @@
+// The description of a value that precedes its bytes on the wire (UCX and NCCL).
+//
+// Header: u32 magic "PPY1", then the value as a tree (little endian):
+//   u8 kind: 0 None | 1 Tensor: u8 dtype (c10::ScalarType), u8 ndim, i64 sizes[ndim]
+//          | 2 Int: i64 | 3 Double: f64 | 4 Bool: u8 | 5 Tuple / 6 List: u32 n, n children
+//          | 7 String: u32 length, bytes
+// Payload: every tensor's bytes (contiguous, in header order), as a separate message
+// straight from and into tensor storage. A receiver needs no prior knowledge of
+// shapes, and shapes may change from one message to the next.
+#ifndef PIPPY_PIPELINE_TRANSPORT_WIRE_FORMAT_H_
+#define PIPPY_PIPELINE_TRANSPORT_WIRE_FORMAT_H_
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "ATen/core/Tensor.h"
+#include "ATen/core/ivalue.h"
+#include "absl/status/statusor.h"
+
+namespace pippy::transport::wire {
+
+constexpr uint32_t kMagic = 0x50505931;  // "PPY1"
+constexpr size_t kMaxHeader = 64 * 1024;
+
+// Appends magic and structure of `value` to `header`; appends its tensors (detached,
+// contiguous — copied only if they were not) to `tensors` in payload order.
+// Errors: INVALID_ARGUMENT for values that cannot be sent (objects, modules, ...).
+absl::Status EncodeHeader(const c10::IValue& value, std::string* header, std::vector<at::Tensor>* tensors);
+
+// Makes an uninitialised tensor to receive a payload into.
+using Allocator = std::function<at::Tensor(const std::vector<int64_t>& sizes, c10::ScalarType dtype)>;
+
+// Rebuilds the value from a header, allocating its tensors with `alloc` (appended to
+// `tensors` in payload order). Errors: DATA_LOSS for a malformed header.
+absl::StatusOr<c10::IValue> DecodeHeader(const char* data, size_t size, const Allocator& alloc,
+                                         std::vector<at::Tensor>* tensors);
+
+}  // namespace pippy::transport::wire
+
+#endif  // PIPPY_PIPELINE_TRANSPORT_WIRE_FORMAT_H_
