@@ -264,6 +264,8 @@ class Impl : public UcxTransport {
   }
 
  public:
+  std::atomic<int> driving_{0};  // callers currently progressing the worker in Wait()
+
   // Progresses the worker if no other thread is doing it. Returns whether it did.
   bool TryProgress() {
     if (!worker_mu_.TryLock()) return false;
@@ -289,7 +291,10 @@ class Impl : public UcxTransport {
       }
       auto now = std::chrono::steady_clock::now();
       if (work) last_activity = now;
-      if (now - last_activity < std::chrono::microseconds(100)) {
+      // A waiting caller drives progress itself; on few cores a second poller only
+      // steals its CPU, so stand aside until the callers stop.
+      const bool callers_driving = driving_.load() > 0;
+      if (!callers_driving && now - last_activity < std::chrono::microseconds(100)) {
         std::this_thread::yield();
         continue;
       }
@@ -581,9 +586,11 @@ absl::Status Op::Wait(absl::Duration timeout) {
   // Drive UCX from this thread for a while (as ucx_perftest does): no thread hand-off
   // on the critical path. Then block; the progress thread carries on.
   const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
+  owner_->driving_.fetch_add(1);
   while (!finished_fast_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < spin_until) {
     if (!owner_->TryProgress()) std::this_thread::yield();
   }
+  owner_->driving_.fetch_sub(1);
   absl::MutexLock lock(&mu_);
   auto done = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return finished_; };
   if (!mu_.AwaitWithTimeout(absl::Condition(&done), timeout)) {
