@@ -19,6 +19,7 @@
 #include "pipeline/schedule/schedule.h"
 #include "pipeline/schedule/simulator.h"
 #include "pipeline/stage/rank_runtime.h"
+#include "pipeline/stage/testing/reference_training.h"
 #include "pipeline/transport/loopback/loopback_transport.h"
 #include "torch/csrc/autograd/autograd.h"
 #include "torch/nn/utils/clip_grad.h"
@@ -28,16 +29,11 @@ namespace pippy::stage {
 namespace {
 
 using schedule::ScheduleKind;
-using testing::HasSubstr;
+using ::testing::HasSubstr;
 
 std::string Zoo(const std::string& f) { return "examples/models/zoo/" + f; }
 
-double RelDiff(const at::Tensor& a, const at::Tensor& b) {
-  at::Tensor da = a.detach().to(at::kDouble), db = b.detach().to(at::kDouble);
-  double num = (da - db).abs().max().item<double>();
-  if (num == 0) return 0;
-  return num / std::max(db.abs().max().item<double>(), 1e-30);
-}
+using testing::RelDiff;
 
 struct ModelSpec {
   std::string name;
@@ -155,62 +151,20 @@ void RunPipeline(const Case& c, const std::vector<c10::IValue>& inputs, const c1
   for (auto& t : threads) t.join();
 }
 
-// The unsplit model trained in one process. `microbatched`: accumulate over the
-// same micro-batches; otherwise one pass over the full batch. Returns step losses.
 std::vector<double> TrainReference(torch::jit::Module& ref, const Case& c, const std::vector<c10::IValue>& inputs,
                                    const c10::IValue& target, bool microbatched) {
-  LossKind kind = *ParseLoss(c.model.loss);
-  std::vector<at::Tensor> params;
-  std::set<const c10::TensorImpl*> seen;
-  for (const auto& p : ref.named_parameters(true)) {
-    if (p.value.requires_grad() && seen.insert(p.value.unsafeGetTensorImpl()).second) params.push_back(p.value);
-  }
-  auto opt = MakeOptimizer(Optim(c.optimizer), params);
-  EXPECT_TRUE(opt.ok());
-  const int m = microbatched ? kMicrobatches : 1;
-  auto mb_in = *SplitIntoMicrobatches(inputs, m);
-  auto mb_tg = *SplitIntoMicrobatches({target}, m);
-  std::vector<double> losses;
-  for (int step = 0; step < kSteps; ++step) {
-    double total = 0;
-    for (int mb = 0; mb < m; ++mb) {
-      c10::IValue out = ref.forward(mb_in[mb]);
-      at::Tensor loss = *ComputeLoss(kind, ref, out, mb_tg[mb][0]);
-      total += loss.item<double>();
-      torch::autograd::backward({loss / static_cast<double>(m)});
-    }
-    if (c.clip > 0) torch::nn::utils::clip_grad_norm_(params, c.clip);
-    (*opt)->step();
-    for (auto& p : params) p.mutable_grad() = at::Tensor();
-    losses.push_back(total / m);
-  }
-  return losses;
+  return testing::TrainUnsplit(ref, c.model.loss, Optim(c.optimizer), c.clip, inputs, target,
+                               microbatched ? kMicrobatches : 1, kSteps);
 }
 
-// Worst relative difference between the pipeline's parameters/buffers and `ref`'s.
 double CompareState(const PipelineRun& run, const torch::jit::Module& ref, bool* any) {
-  std::map<std::string, at::Tensor> want;
-  for (const auto& p : ref.named_parameters(true)) want[p.name] = p.value;
-  for (const auto& b : ref.named_buffers(true)) want[b.name] = b.value;
-  double worst = 0;
-  *any = false;
-  for (const auto& stage : run.pipe.stages) {
-    for (const auto& p : stage.named_parameters(true)) {
-      EXPECT_TRUE(want.count(p.name)) << p.name;
-      if (!want.count(p.name)) continue;
-      worst = std::max(worst, RelDiff(p.value, want[p.name]));
-      *any = true;
-    }
-    for (const auto& b : stage.named_buffers(true)) {
-      if (want.count(b.name) && at::isFloatingType(b.value.scalar_type())) {
-        worst = std::max(worst, RelDiff(b.value, want[b.name]));
-      }
-    }
-  }
+  int compared = 0;
+  double worst = testing::MaxRelativeDifference(run.pipe.stages, ref, &compared);
+  *any = compared > 0;
   return worst;
 }
 
-class PipelineTrainingTest : public testing::TestWithParam<Case> {
+class PipelineTrainingTest : public ::testing::TestWithParam<Case> {
  protected:
   static void SetUpTestSuite() { torch::jit::setGraphExecutorOptimize(false); }
 };
@@ -289,8 +243,8 @@ std::vector<Case> TrainingCases() {
   return out;
 }
 
-INSTANTIATE_TEST_SUITE_P(Zoo, PipelineTrainingTest, testing::ValuesIn(TrainingCases()),
-                         [](const testing::TestParamInfo<Case>& i) {
+INSTANTIATE_TEST_SUITE_P(Zoo, PipelineTrainingTest, ::testing::ValuesIn(TrainingCases()),
+                         [](const ::testing::TestParamInfo<Case>& i) {
                            std::string n = schedule::ScheduleKindName(i.param.kind);
                            for (char& ch : n) if (ch == '-') ch = '_';
                            return absl::StrCat(i.param.model.name, "_", n, "_r", i.param.ranks, "v",
@@ -298,14 +252,14 @@ INSTANTIATE_TEST_SUITE_P(Zoo, PipelineTrainingTest, testing::ValuesIn(TrainingCa
                                                i.param.clip > 0 ? "_clip" : "");
                          });
 
-class Reporter : public testing::Environment {
+class Reporter : public ::testing::Environment {
  public:
   void TearDown() override {
     std::cout << "[ figure   ] worst max relative difference: vs micro-batched reference " << g_worst_micro
               << ", vs full-batch reference " << g_worst_full << "\n";
   }
 };
-testing::Environment* const kReporter = testing::AddGlobalTestEnvironment(new Reporter);
+::testing::Environment* const kReporter = ::testing::AddGlobalTestEnvironment(new Reporter);
 
 }  // namespace
 }  // namespace pippy::stage
@@ -313,7 +267,7 @@ testing::Environment* const kReporter = testing::AddGlobalTestEnvironment(new Re
 namespace pippy::stage {
 namespace {
 
-class RuntimeBehaviourTest : public testing::Test {
+class RuntimeBehaviourTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() { torch::jit::setGraphExecutorOptimize(false); }
   void Load(const std::string& name) {
