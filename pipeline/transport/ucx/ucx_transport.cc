@@ -26,6 +26,9 @@ namespace pippy::transport::ucx {
 namespace {
 
 using wire::kMaxHeader;
+// How long a waiting caller drives UCX itself before blocking: long enough to carry a
+// multi-MiB transfer without a thread hand-off, short enough not to hog a core.
+constexpr int kDriveMicros = 2000;
 
 // UCX tag: [sender rank 8][part 1][kind 3][step 12][mb 12][src stage 8][dst stage 8][index 12].
 uint64_t UcxTag(int sender, int part, const Tag& t) {
@@ -585,7 +588,7 @@ class Impl : public UcxTransport {
 absl::Status Op::Wait(absl::Duration timeout) {
   // Drive UCX from this thread for a while (as ucx_perftest does): no thread hand-off
   // on the critical path. Then block; the progress thread carries on.
-  const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
+  const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(kDriveMicros);
   owner_->driving_.fetch_add(1);
   while (!finished_fast_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < spin_until) {
     if (!owner_->TryProgress()) std::this_thread::yield();
