@@ -61,19 +61,6 @@ absl::StatusOr<std::vector<std::string>> Rendezvous(const std::string& dir, int 
   return out;
 }
 
-schedule::StageGraph GraphOf(const PipelinePlan& plan) {
-  schedule::StageGraph g;
-  g.consumers.resize(plan.stages_size());
-  for (const StagePlan& sp : plan.stages()) {
-    for (const StageInput& si : sp.inputs()) {
-      if (si.source_case() != StageInput::kSourceStage) continue;
-      auto& c = g.consumers[si.source_stage()];
-      if (std::find(c.begin(), c.end(), sp.index()) == c.end()) c.push_back(sp.index());
-    }
-  }
-  for (auto& c : g.consumers) std::sort(c.begin(), c.end());
-  return g;
-}
 
 int Run(int argc, char** argv) {
   auto args = cli::Args::Parse(argc, argv, 1,
@@ -109,7 +96,7 @@ int Run(int argc, char** argv) {
   opts.num_ranks = *world;
   opts.num_microbatches = *m;
   opts.stages_per_rank = per_rank;
-  opts.graph = GraphOf(pipe->plan);
+  opts.graph = stage::StageGraphOf(pipe->plan);
   auto sched = schedule::MakeSchedule(*kind, opts);
   if (!sched.ok()) return cli::Fail(sched.status());
 

@@ -69,6 +69,20 @@ struct RankRuntime::StepState {
 
 RankRuntime::~RankRuntime() = default;
 
+schedule::StageGraph StageGraphOf(const PipelinePlan& plan) {
+  schedule::StageGraph g;
+  g.consumers.resize(plan.stages_size());
+  for (const StagePlan& sp : plan.stages()) {
+    for (const StageInput& si : sp.inputs()) {
+      if (si.source_case() != StageInput::kSourceStage) continue;
+      auto& c = g.consumers[si.source_stage()];
+      if (std::find(c.begin(), c.end(), sp.index()) == c.end()) c.push_back(sp.index());
+    }
+  }
+  for (auto& c : g.consumers) std::sort(c.begin(), c.end());
+  return g;
+}
+
 absl::StatusOr<std::unique_ptr<RankRuntime>> RankRuntime::Create(int rank, const PipelinePlan& plan,
                                                                 std::map<int, torch::jit::Module> stages,
                                                                 const schedule::Schedule& schedule,

@@ -52,6 +52,9 @@ struct StepResult {
   double grad_norm = 0;            // global norm before clipping (when clipping)
 };
 
+// The stage graph (who consumes whose outputs) of a plan, for MakeSchedule.
+schedule::StageGraph StageGraphOf(const PipelinePlan& plan);
+
 class RankRuntime {
  public:
   // `stages` maps stage index -> module for the stages this rank holds (as the

@@ -56,19 +56,6 @@ struct Case {
   double clip = 0;
 };
 
-schedule::StageGraph GraphOf(const PipelinePlan& plan) {
-  schedule::StageGraph g;
-  g.consumers.resize(plan.stages_size());
-  for (const StagePlan& sp : plan.stages()) {
-    for (const StageInput& si : sp.inputs()) {
-      if (si.source_case() != StageInput::kSourceStage) continue;
-      auto& c = g.consumers[si.source_stage()];
-      if (std::find(c.begin(), c.end(), sp.index()) == c.end()) c.push_back(sp.index());
-    }
-  }
-  for (auto& c : g.consumers) std::sort(c.begin(), c.end());
-  return g;
-}
 
 OptimizerOptions Optim(const std::string& name) {
   OptimizerOptions o;
@@ -111,7 +98,7 @@ void RunPipeline(const Case& c, const std::vector<c10::IValue>& inputs, const c1
     opts.num_ranks = c.ranks;
     opts.num_microbatches = kMicrobatches;
     opts.stages_per_rank = c.stages_per_rank;
-    opts.graph = GraphOf(run->pipe.plan);
+    opts.graph = StageGraphOf(run->pipe.plan);
     auto sched = schedule::MakeSchedule(c.kind, opts);
     ASSERT_TRUE(sched.ok()) << sched.status();
     run->schedule = *sched;

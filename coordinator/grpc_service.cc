@@ -1,0 +1,135 @@
+#include "coordinator/grpc_service.h"
+
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+
+namespace pippy::coordinator {
+namespace {
+
+// A worker's stream as seen by the logic; writes stop when the handler returns.
+class StreamChannel : public WorkerChannel {
+ public:
+  explicit StreamChannel(grpc::ServerReaderWriter<CoordinatorMessage, WorkerMessage>* s) : stream_(s) {}
+  bool Send(const CoordinatorMessage& m) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stream_ != nullptr && stream_->Write(m);
+  }
+  void Close() {
+    std::lock_guard<std::mutex> lock(mu_);
+    stream_ = nullptr;
+  }
+
+ private:
+  std::mutex mu_;
+  grpc::ServerReaderWriter<CoordinatorMessage, WorkerMessage>* stream_;
+};
+
+ProgressEvent EventOf(const Job& job) {
+  ProgressEvent e;
+  e.set_job_id(job.job_id());
+  e.set_state(job.state());
+  e.set_step(job.step());
+  e.set_steps(job.spec().steps());
+  if (job.losses_size() > 0) e.set_loss(job.losses(job.losses_size() - 1));
+  e.set_samples_per_second(job.samples_per_second());
+  e.set_bubble_fraction(job.bubble_fraction());
+  e.set_message(job.reason());
+  return e;
+}
+
+bool Terminal(JobState s) { return s == SUCCEEDED || s == FAILED || s == CANCELLED; }
+
+}  // namespace
+
+grpc::Status ToGrpc(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(static_cast<int>(s.code())), std::string(s.message()));
+}
+
+grpc::Status CoordinatorGrpc::SubmitJob(grpc::ServerContext*, grpc::ServerReader<SubmitJobRequest>* reader,
+                                        SubmitJobResponse* response) {
+  SubmitJobRequest req;
+  if (!reader->Read(&req) || !req.has_spec()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "spec: the first message of SubmitJob must be the job spec");
+  }
+  JobSpec spec = req.spec();
+  std::string model, data;
+  while (reader->Read(&req)) {
+    if (req.has_model_chunk()) model += req.model_chunk();
+    else if (req.has_data_chunk()) data += req.data_chunk();
+    else return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "spec: sent twice; send it once, first");
+  }
+  auto id = logic_->SubmitJob(spec, std::move(model), std::move(data));
+  if (!id.ok()) return ToGrpc(id.status());
+  response->set_job_id(*id);
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorGrpc::GetJob(grpc::ServerContext*, const GetJobRequest* request, Job* response) {
+  if (request->job_id().empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "job_id: missing");
+  auto job = logic_->GetJob(request->job_id());
+  if (!job.ok()) return ToGrpc(job.status());
+  *response = *job;
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorGrpc::ListJobs(grpc::ServerContext*, const ListJobsRequest*, ListJobsResponse* response) {
+  for (Job& j : logic_->ListJobs()) *response->add_jobs() = std::move(j);
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorGrpc::WatchJob(grpc::ServerContext* context, const WatchJobRequest* request,
+                                       grpc::ServerWriter<ProgressEvent>* writer) {
+  int64_t version = -1;
+  while (!context->IsCancelled()) {
+    int64_t before = version;
+    auto job = logic_->WaitForChange(request->job_id(), &version, absl::Seconds(1));
+    if (!job.ok()) return ToGrpc(job.status());
+    if (version != before && !writer->Write(EventOf(*job))) break;
+    if (Terminal(job->state())) break;
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorGrpc::CancelJob(grpc::ServerContext*, const CancelJobRequest* request, Job* response) {
+  auto job = logic_->CancelJob(request->job_id());
+  if (!job.ok()) return ToGrpc(job.status());
+  *response = *job;
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorGrpc::FetchModel(grpc::ServerContext*, const FetchModelRequest* request,
+                                         grpc::ServerWriter<ModelChunk>* writer) {
+  auto bytes = logic_->TrainedModel(request->job_id());
+  if (!bytes.ok()) return ToGrpc(bytes.status());
+  constexpr size_t kChunk = 1 << 20;
+  for (size_t off = 0; off < bytes->size(); off += kChunk) {
+    ModelChunk c;
+    c.set_data(bytes->substr(off, kChunk));
+    if (!writer->Write(c)) break;
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorGrpc::ListWorkers(grpc::ServerContext*, const ListWorkersRequest*,
+                                          ListWorkersResponse* response) {
+  for (WorkerInfo& w : logic_->ListWorkers()) *response->add_workers() = std::move(w);
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerHubGrpc::Connect(grpc::ServerContext*,
+                                    grpc::ServerReaderWriter<CoordinatorMessage, WorkerMessage>* stream) {
+  WorkerMessage m;
+  if (!stream->Read(&m) || !m.has_register_()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "register: the first message must register the worker");
+  }
+  auto channel = std::make_shared<StreamChannel>(stream);
+  const std::string id = logic_->AddWorker(m.register_(), channel);
+  while (stream->Read(&m)) logic_->OnWorkerMessage(id, m);
+  channel->Close();
+  logic_->RemoveWorker(id, "disconnected (its stream to the coordinator broke)");
+  return grpc::Status::OK;
+}
+
+}  // namespace pippy::coordinator

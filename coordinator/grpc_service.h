@@ -1,0 +1,43 @@
+// The gRPC adapter: the Coordinator and WorkerHub services, translating between
+// gRPC and the service logic (coordinator.h). No decisions are made here.
+#ifndef PIPPY_COORDINATOR_GRPC_SERVICE_H_
+#define PIPPY_COORDINATOR_GRPC_SERVICE_H_
+
+#include "coordinator/coordinator.h"
+#include "proto/coordinator.grpc.pb.h"
+
+namespace pippy::coordinator {
+
+grpc::Status ToGrpc(const absl::Status& s);
+
+class CoordinatorGrpc final : public pippy::Coordinator::Service {
+ public:
+  explicit CoordinatorGrpc(Coordinator* logic) : logic_(logic) {}
+  grpc::Status SubmitJob(grpc::ServerContext*, grpc::ServerReader<SubmitJobRequest>* reader,
+                         SubmitJobResponse* response) override;
+  grpc::Status GetJob(grpc::ServerContext*, const GetJobRequest* request, Job* response) override;
+  grpc::Status ListJobs(grpc::ServerContext*, const ListJobsRequest*, ListJobsResponse* response) override;
+  grpc::Status WatchJob(grpc::ServerContext* context, const WatchJobRequest* request,
+                        grpc::ServerWriter<ProgressEvent>* writer) override;
+  grpc::Status CancelJob(grpc::ServerContext*, const CancelJobRequest* request, Job* response) override;
+  grpc::Status FetchModel(grpc::ServerContext*, const FetchModelRequest* request,
+                          grpc::ServerWriter<ModelChunk>* writer) override;
+  grpc::Status ListWorkers(grpc::ServerContext*, const ListWorkersRequest*, ListWorkersResponse* response) override;
+
+ private:
+  Coordinator* logic_;
+};
+
+class WorkerHubGrpc final : public pippy::WorkerHub::Service {
+ public:
+  explicit WorkerHubGrpc(Coordinator* logic) : logic_(logic) {}
+  grpc::Status Connect(grpc::ServerContext* context,
+                       grpc::ServerReaderWriter<CoordinatorMessage, WorkerMessage>* stream) override;
+
+ private:
+  Coordinator* logic_;
+};
+
+}  // namespace pippy::coordinator
+
+#endif  // PIPPY_COORDINATOR_GRPC_SERVICE_H_

@@ -1,0 +1,90 @@
+#include "coordinator/job_store.h"
+
+#include <sqlite3.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+
+namespace pippy::coordinator {
+
+absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir + "/models", ec);
+  if (ec) return absl::UnavailableError(absl::StrCat("cannot create state directory '", dir, "': ", ec.message()));
+  std::unique_ptr<JobStore> store(new JobStore());
+  store->dir_ = dir;
+  const std::string path = dir + "/jobs.db";
+  absl::MutexLock lock(&store->mu_);
+  if (sqlite3_open(path.c_str(), &store->db_) != SQLITE_OK) {
+    return absl::UnavailableError(absl::StrCat("cannot open '", path, "': ", sqlite3_errmsg(store->db_)));
+  }
+  char* err = nullptr;
+  if (sqlite3_exec(store->db_,
+                   "PRAGMA journal_mode=WAL; CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, created INTEGER, "
+                   "record BLOB);",
+                   nullptr, nullptr, &err) != SQLITE_OK) {
+    std::string msg = err ? err : "unknown";
+    sqlite3_free(err);
+    return absl::UnavailableError(absl::StrCat("cannot initialise '", path, "': ", msg));
+  }
+  return store;
+}
+
+JobStore::~JobStore() {
+  absl::MutexLock lock(&mu_);
+  if (db_ != nullptr) sqlite3_close(db_);
+}
+
+absl::Status JobStore::Put(const Job& job) {
+  std::string blob;
+  job.SerializeToString(&blob);
+  absl::MutexLock lock(&mu_);
+  sqlite3_stmt* st = nullptr;
+  sqlite3_prepare_v2(db_, "INSERT OR REPLACE INTO jobs (id, created, record) VALUES (?, ?, ?)", -1, &st, nullptr);
+  sqlite3_bind_text(st, 1, job.job_id().c_str(), -1, SQLITE_TRANSIENT);
+  sqlite3_bind_int64(st, 2, job.created_unix_ms());
+  sqlite3_bind_blob(st, 3, blob.data(), static_cast<int>(blob.size()), SQLITE_TRANSIENT);
+  int rc = sqlite3_step(st);
+  sqlite3_finalize(st);
+  if (rc != SQLITE_DONE) return absl::UnavailableError(absl::StrCat("saving job ", job.job_id(), ": ", sqlite3_errmsg(db_)));
+  return absl::OkStatus();
+}
+
+std::vector<Job> JobStore::List() {
+  std::vector<Job> out;
+  absl::MutexLock lock(&mu_);
+  sqlite3_stmt* st = nullptr;
+  sqlite3_prepare_v2(db_, "SELECT record FROM jobs ORDER BY created, id", -1, &st, nullptr);
+  while (sqlite3_step(st) == SQLITE_ROW) {
+    Job job;
+    const void* data = sqlite3_column_blob(st, 0);
+    int n = sqlite3_column_bytes(st, 0);
+    if (job.ParseFromArray(data, n)) out.push_back(job);
+  }
+  sqlite3_finalize(st);
+  return out;
+}
+
+absl::Status JobStore::PutModel(const std::string& job_id, const std::string& bytes) {
+  const std::string path = absl::StrCat(dir_, "/models/", job_id, ".pt");
+  const std::string tmp = path + ".tmp";
+  std::ofstream(tmp, std::ios::binary) << bytes;
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) return absl::UnavailableError(absl::StrCat("writing '", path, "': ", ec.message()));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> JobStore::GetModel(const std::string& job_id) {
+  const std::string path = absl::StrCat(dir_, "/models/", job_id, ".pt");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("job ", job_id, " has no trained model"));
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+}  // namespace pippy::coordinator

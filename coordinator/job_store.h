@@ -1,0 +1,40 @@
+// Job records in SQLite under the coordinator's state directory, so ListJobs survives
+// a restart; trained models are files beside it (models/<job>.pt).
+//
+// Thread safety: all methods may be called from any thread (one internal mutex).
+#ifndef PIPPY_COORDINATOR_JOB_STORE_H_
+#define PIPPY_COORDINATOR_JOB_STORE_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "proto/coordinator.pb.h"
+
+struct sqlite3;
+
+namespace pippy::coordinator {
+
+class JobStore {
+ public:
+  // Opens (creating) `dir`/jobs.db. Errors: UNAVAILABLE naming the path.
+  static absl::StatusOr<std::unique_ptr<JobStore>> Open(const std::string& dir);
+  ~JobStore();
+
+  absl::Status Put(const Job& job);
+  std::vector<Job> List();
+  absl::Status PutModel(const std::string& job_id, const std::string& bytes);
+  absl::StatusOr<std::string> GetModel(const std::string& job_id);
+
+ private:
+  JobStore() = default;
+  std::string dir_;
+  absl::Mutex mu_;
+  sqlite3* db_ ABSL_GUARDED_BY(mu_) = nullptr;
+};
+
+}  // namespace pippy::coordinator
+
+#endif  // PIPPY_COORDINATOR_JOB_STORE_H_

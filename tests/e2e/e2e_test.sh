@@ -1,0 +1,111 @@
+#!/bin/bash
+# End to end: a real pippy-coordinator and 4 real pippy-worker processes on 127.0.0.1
+# (ports chosen by the OS); jobs submitted with pippyctl; trained models fetched and
+# checked with /usr/bin/python3 against a plain PyTorch training loop.
+set -u
+PIPPYCTL="$PWD/client/pippyctl"
+COORD="$PWD/coordinator/pippy-coordinator"
+WORKER="$PWD/worker/pippy-worker"
+ZOO="$PWD/examples/models/zoo"
+CHECK="$PWD/tests/python/check_training.py"
+TMP="${TEST_TMPDIR:-$(mktemp -d)}/e2e"
+rm -rf "$TMP" && mkdir -p "$TMP"
+passed=0
+failed=0
+pids=()
+ok() { echo "ok   $1"; passed=$((passed + 1)); }
+bad() { echo "FAIL $1"; failed=$((failed + 1)); }
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
+  sleep 0.5
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
+}
+trap cleanup EXIT
+
+"$COORD" --bind 127.0.0.1 --port 0 --port-file "$TMP/port" --state-dir "$TMP/state" --heartbeat-timeout-s 3 \
+  > "$TMP/coordinator.log" 2>&1 &
+pids+=($!)
+for _ in $(seq 100); do [ -s "$TMP/port" ] && break; sleep 0.1; done
+ADDR="127.0.0.1:$(cat "$TMP/port")"
+ctl() { "$PIPPYCTL" --coordinator "$ADDR" "$@"; }
+declare -A worker_pid
+for i in 0 1 2 3; do
+  "$WORKER" --coordinator "$ADDR" --name "w$i" --ucx-tls sm,self --wait-timeout-s 30 > "$TMP/w$i.log" 2>&1 &
+  pids+=($!)
+  worker_pid[w$i]=$!
+done
+idle_workers() { ctl workers --output json | /usr/bin/python3 -c \
+  "import json,sys; print(sum(1 for w in json.load(sys.stdin).get('workers', []) if w['state']=='idle'))"; }
+for _ in $(seq 100); do [ "$(idle_workers)" = 4 ] && break; sleep 0.1; done
+[ "$(idle_workers)" = 4 ] && ok "4 workers registered" || bad "4 workers registered"
+
+/usr/bin/python3 - "$ZOO" "$TMP" <<'PY'
+import sys, torch
+zoo, tmp = sys.argv[1:3]
+torch.save({"inputs": torch.load(f"{zoo}/gpt.input.pt"), "targets": torch.load(f"{zoo}/gpt.target.pt")}, f"{tmp}/gpt.data.pt")
+torch.save({"inputs": torch.randn(8, 5), "targets": torch.randn(8, 5)}, f"{tmp}/wrong.data.pt")
+PY
+
+COMMON=(--data "$TMP/gpt.data.pt" --microbatches 8 --batch-size 8 --steps 5 --loss model --optimizer adamw
+        --lr 0.001 --weight-decay 0.01)
+train_and_check() {  # NAME ARGS...
+  local name=$1
+  shift
+  if ! ctl submit "$ZOO/gpt.pt" "${COMMON[@]}" "$@" --wait > "$TMP/$name.out" 2>&1; then
+    bad "$name: job did not succeed"; cat "$TMP/$name.out"; return
+  fi
+  local job
+  job=$(head -1 "$TMP/$name.out")
+  ctl fetch "$job" -o "$TMP/$name.pt" > /dev/null || { bad "$name: fetch"; return; }
+  if /usr/bin/python3 "$CHECK" "$ZOO/gpt.pt" "$TMP/gpt.data.pt" "$TMP/$name.pt" --steps 5 --batch-size 8 \
+       --microbatches 8 --loss model --optimizer adamw --lr 0.001 --weight-decay 0.01 --tolerance 1e-4; then
+    ok "$name"
+  else
+    bad "$name"
+  fi
+}
+train_and_check gpt_1f1b_4stages --stages 4 --schedule 1f1b
+train_and_check gpt_gpipe_4stages --stages 4 --schedule gpipe
+train_and_check gpt_interleaved_8stages_2perworker --stages 8 --schedule interleaved-1f1b --stages-per-worker 2
+
+# Bad input is refused with INVALID_ARGUMENT (exit 2) naming the field; the coordinator keeps serving.
+expect_refused() {  # NAME WANT_SUBSTRING ARGS...
+  local name=$1 want=$2
+  shift 2
+  local err code
+  err=$(ctl submit "$@" 2>&1 >/dev/null)
+  code=$?
+  if [ "$code" = 2 ] && [[ "$err" == *"$want"* ]]; then ok "refused: $name"; else bad "refused: $name (exit $code: $err)"; fi
+}
+: > "$TMP/empty.pt"
+echo "not a model" > "$TMP/corrupt.pt"
+expect_refused "empty model" "model: empty" "$TMP/empty.pt" "${COMMON[@]}" --stages 2 --schedule 1f1b
+expect_refused "corrupt model" "model: 'model' is not a TorchScript archive" "$TMP/corrupt.pt" "${COMMON[@]}" --stages 2 --schedule 1f1b
+expect_refused "unknown schedule" "schedule.name: unknown schedule 'zigzag'" "$ZOO/gpt.pt" "${COMMON[@]}" --stages 2 --schedule zigzag
+expect_refused "too many stages" "split: cannot make 500 stages" "$ZOO/gpt.pt" "${COMMON[@]}" --stages 500 --schedule gpipe
+expect_refused "data that does not fit" "data" "$ZOO/gpt.pt" --data "$TMP/wrong.data.pt" --microbatches 2 --batch-size 8 \
+  --steps 1 --loss model --optimizer sgd --lr 0.1 --stages 2 --schedule 1f1b
+expect_refused "missing loss" "loss: missing" "$ZOO/gpt.pt" --data "$TMP/gpt.data.pt" --microbatches 2 --batch-size 8 \
+  --steps 1 --optimizer sgd --lr 0.1 --stages 2 --schedule 1f1b
+ctl list > /dev/null && ok "coordinator still serving after bad input" || bad "coordinator still serving after bad input"
+
+# A worker killed mid-job: the job FAILS naming it, the others return to idle, the next job runs.
+job=$(ctl submit "$ZOO/gpt.pt" --data "$TMP/gpt.data.pt" --microbatches 8 --batch-size 8 --steps 100000 --loss model \
+      --optimizer sgd --lr 0.001 --stages 4 --schedule 1f1b)
+for _ in $(seq 200); do
+  step=$(ctl status "$job" --output json | /usr/bin/python3 -c "import json,sys; print(json.load(sys.stdin).get('step', 0))")
+  [ "${step:-0}" -ge 2 ] && break
+  sleep 0.1
+done
+start=$(date +%s.%N)
+kill -9 "${worker_pid[w2]}"
+ctl watch "$job" > "$TMP/killed.out" 2>&1
+elapsed=$(echo "$(date +%s.%N) - $start" | bc)
+reason=$(ctl status "$job" --output json | /usr/bin/python3 -c "import json,sys; j=json.load(sys.stdin); print(j['state'], j.get('reason',''))")
+if [[ "$reason" == FAILED*"worker w2"* ]]; then ok "killed worker fails the job within ${elapsed}s: $reason"; else bad "killed worker: $reason"; fi
+for _ in $(seq 300); do [ "$(idle_workers)" = 3 ] && break; sleep 0.1; done
+[ "$(idle_workers)" = 3 ] && ok "the other 3 workers are idle again" || bad "the other workers are idle again ($(idle_workers) idle)"
+train_and_check next_job_after_failure --stages 2 --schedule 1f1b
+
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
