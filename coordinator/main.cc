@@ -1,5 +1,7 @@
 // pippy-coordinator: wires the service logic to gRPC and parses flags; nothing else.
+#include <chrono>
 #include <csignal>
+#include <thread>
 #include <fstream>
 #include <iostream>
 
@@ -68,8 +70,12 @@ int main(int argc, char** argv) {
     std::rename(tmp.c_str(), args->Get("port-file").c_str());
   }
   log::Info("pippy-coordinator listening on {}:{} (state in {})", args->Get("bind", "0.0.0.0"), bound, opts.state_dir);
-  std::signal(SIGTERM, [](int) { std::thread([] { g_server->Shutdown(); }).detach(); });
-  std::signal(SIGINT, [](int) { std::thread([] { g_server->Shutdown(); }).detach(); });
+  // Workers keep their streams open forever: cancel what is still open after 2 s.
+  auto stop = [](int) {
+    std::thread([] { g_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2)); }).detach();
+  };
+  std::signal(SIGTERM, stop);
+  std::signal(SIGINT, stop);
   g_server->Wait();
   log::Info("pippy-coordinator stopped");
   return 0;

@@ -97,15 +97,49 @@ for _ in $(seq 200); do
   [ "${step:-0}" -ge 2 ] && break
   sleep 0.1
 done
-start=$(date +%s.%N)
+start=$(date +%s%N)
 kill -9 "${worker_pid[w2]}"
 ctl watch "$job" > "$TMP/killed.out" 2>&1
-elapsed=$(echo "$(date +%s.%N) - $start" | bc)
+elapsed=$(( ($(date +%s%N) - start) / 1000000 ))ms
 reason=$(ctl status "$job" --output json | /usr/bin/python3 -c "import json,sys; j=json.load(sys.stdin); print(j['state'], j.get('reason',''))")
 if [[ "$reason" == FAILED*"worker w2"* ]]; then ok "killed worker fails the job within ${elapsed}s: $reason"; else bad "killed worker: $reason"; fi
 for _ in $(seq 300); do [ "$(idle_workers)" = 3 ] && break; sleep 0.1; done
 [ "$(idle_workers)" = 3 ] && ok "the other 3 workers are idle again" || bad "the other workers are idle again ($(idle_workers) idle)"
 train_and_check next_job_after_failure --stages 2 --schedule 1f1b
+
+# A worker that stops sending heartbeats (frozen with SIGSTOP; its stream stays open)
+# fails its job once the heartbeat timeout (3 s) passes.
+job=$(ctl submit "$ZOO/gpt.pt" --data "$TMP/gpt.data.pt" --microbatches 8 --batch-size 8 --steps 100000 --loss model \
+      --optimizer sgd --lr 0.001 --stages 2 --schedule 1f1b)
+for _ in $(seq 200); do
+  step=$(ctl status "$job" --output json | /usr/bin/python3 -c "import json,sys; print(json.load(sys.stdin).get('step', 0))")
+  [ "${step:-0}" -ge 2 ] && break
+  sleep 0.1
+done
+busy=$(ctl workers --output json | /usr/bin/python3 -c \
+  "import json,sys; print(next(w['name'] for w in json.load(sys.stdin)['workers'] if w.get('job_id')=='$job'))")
+kill -STOP "${worker_pid[$busy]}"
+start=$(date +%s%N)
+ctl watch "$job" > /dev/null 2>&1
+elapsed=$(( ($(date +%s%N) - start) / 1000000 ))
+reason=$(ctl status "$job" --output json | /usr/bin/python3 -c "import json,sys; j=json.load(sys.stdin); print(j['state'], j.get('reason',''))")
+kill -CONT "${worker_pid[$busy]}"
+if [[ "$reason" == FAILED*"worker $busy"*"stopped sending heartbeats"* ]]; then
+  ok "silent worker fails the job after ${elapsed}ms: $reason"
+else
+  bad "silent worker: $reason"
+fi
+
+# Job records survive a coordinator restart (workers end with their stream).
+kill "${pids[0]}"
+for _ in $(seq 100); do kill -0 "${pids[0]}" 2>/dev/null || break; sleep 0.1; done
+kill -0 "${pids[0]}" 2>/dev/null && bad "coordinator did not stop within 10 s of SIGTERM" || ok "coordinator stopped on SIGTERM"
+"$COORD" --bind 127.0.0.1 --port 0 --port-file "$TMP/port2" --state-dir "$TMP/state" > "$TMP/coordinator2.log" 2>&1 &
+pids+=($!)
+for _ in $(seq 100); do [ -s "$TMP/port2" ] && break; sleep 0.1; done
+ADDR="127.0.0.1:$(cat "$TMP/port2")"
+count=$(ctl list --output json | /usr/bin/python3 -c "import json,sys; print(len(json.load(sys.stdin).get('jobs', [])))")
+[ "$count" -ge 6 ] && ok "ListJobs after a restart shows the $count earlier jobs" || bad "jobs after restart: $count"
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
