@@ -5,6 +5,7 @@ For every model NAME it writes, into --out:
   NAME.pt          torch.jit.script(model).save(...)
   NAME.input.pt    an example input saved with torch.save (a tensor, a tuple or a dict)
   NAME.target.pt   a target for training tests (same batch size as the input)
+  NAME.data.pt     both, as a job's data file: {"inputs": ..., "targets": ...}
 
 The models cover what the partitioner must handle:
   mlp         nn.Sequential of Linear/ReLU
@@ -227,6 +228,15 @@ def zoo(gpt_layers):
     return models
 
 
+def demo_data(out):
+    """A learnable task for the demo: predict the next token of repeating sequences."""
+    g = torch.Generator().manual_seed(7)
+    starts = torch.randint(0, 64, (64, 1), generator=g)
+    steps = torch.randint(1, 4, (64, 1), generator=g)
+    seq = (starts + steps * torch.arange(17)) % 64
+    torch.save({"inputs": seq[:, :16].contiguous(), "targets": seq[:, 1:].contiguous()}, os.path.join(out, "gpt.demo.data.pt"))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output folder")
@@ -244,9 +254,13 @@ def main():
         scripted.save(os.path.join(args.out, name + ".pt"))
         torch.save(example, os.path.join(args.out, name + ".input.pt"))
         torch.save(target, os.path.join(args.out, name + ".target.pt"))
+        # The job data format: {"inputs": forward()'s arguments, "targets": ...}.
+        torch.save({"inputs": example, "targets": target}, os.path.join(args.out, name + ".data.pt"))
         if name == "mlp":
             # A plain checkpoint (not TorchScript): an error case for the loader.
             torch.save(model.state_dict(), os.path.join(args.out, "mlp.checkpoint.pt"))
+    if not only or "gpt" in only:
+        demo_data(args.out)
     print("wrote zoo to", args.out)
 
 
