@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "pipeline/transport/completion.h"
 
 namespace pippy::transport::loopback {
 namespace {
@@ -25,50 +26,12 @@ c10::IValue DeepCopy(const c10::IValue& v) {
   return v;
 }
 
-class LoopbackWork : public Work {
+class LoopbackWork : public CompletionWork {
  public:
-  LoopbackWork(int self, int peer, Tag tag, bool is_recv) : self_(self), peer_(peer), tag_(tag), is_recv_(is_recv) {}
-
-  absl::Status Wait(absl::Duration timeout) override {
-    absl::MutexLock lock(&mu_);
-    auto done = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return finished_; };
-    if (!mu_.AwaitWithTimeout(absl::Condition(&done), timeout)) {
-      return absl::DeadlineExceededError(absl::StrCat("rank ", self_, ": ", is_recv_ ? "receive from" : "send to",
-                                                      " rank ", peer_, " (", tag_.ToString(), ") did not complete within ",
-                                                      absl::FormatDuration(timeout)));
-    }
-    return status_;
-  }
-  bool IsCompleted() override {
-    absl::MutexLock lock(&mu_);
-    return finished_;
-  }
+  using CompletionWork::CompletionWork;
   void Cancel() override {
-    Finish(absl::CancelledError(absl::StrCat("rank ", self_, ": ", tag_.ToString(), " cancelled")), {});
+    Finish(absl::CancelledError(absl::StrCat("rank ", self(), ": ", tag().ToString(), " cancelled")));
   }
-  c10::IValue Value() override {
-    absl::MutexLock lock(&mu_);
-    return value_;
-  }
-  // First completion wins.
-  bool Finish(absl::Status status, c10::IValue value) {
-    absl::MutexLock lock(&mu_);
-    if (finished_) return false;
-    finished_ = true;
-    status_ = std::move(status);
-    value_ = std::move(value);
-    return true;
-  }
-
-  const int self_, peer_;
-  const Tag tag_;
-  const bool is_recv_;
-
- private:
-  absl::Mutex mu_;
-  bool finished_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Status status_ ABSL_GUARDED_BY(mu_);
-  c10::IValue value_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace
@@ -141,8 +104,8 @@ class LoopbackGroup {
       }
     }
     for (auto& w : fail) {
-      w->Finish(absl::UnavailableError(absl::StrCat("rank ", w->self_, ": peer rank ", w->peer_, " is gone (",
-                                                    w->tag_.ToString(), ")")),
+      w->Finish(absl::UnavailableError(absl::StrCat("rank ", w->self(), ": peer rank ", w->peer(), " is gone (",
+                                                    w->tag().ToString(), ")")),
                 {});
     }
   }

@@ -13,6 +13,7 @@
 #include "ATen/ATen.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "pipeline/transport/completion.h"
 #include "pipeline/transport/wire_format.h"
 
 namespace pippy::transport::nccl {
@@ -32,52 +33,21 @@ absl::Status NcclStatus(ncclResult_t r, const char* what) {
 constexpr size_t kSlot = 16 * 1024;
 constexpr size_t kMaxBatch = 64;
 
-class NcclOp : public Work {
+class NcclOp : public CompletionWork {
  public:
-  NcclOp(bool is_recv, int self, int peer, const Tag& tag) : is_recv(is_recv), self(self), peer(peer), tag(tag) {}
-  absl::Status Wait(absl::Duration timeout) override {
-    absl::MutexLock lock(&mu_);
-    auto done = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return finished_; };
-    if (!mu_.AwaitWithTimeout(absl::Condition(&done), timeout)) {
-      return absl::DeadlineExceededError(absl::StrCat("rank ", self, ": ", is_recv ? "receive from" : "send to",
-                                                      " rank ", peer, " (", tag.ToString(), ") did not complete within ",
-                                                      absl::FormatDuration(timeout)));
-    }
-    return status_;
-  }
-  bool IsCompleted() override {
-    absl::MutexLock lock(&mu_);
-    return finished_;
-  }
+  NcclOp(bool is_recv, int self, int peer, const Tag& tag)
+      : CompletionWork(self, peer, tag, is_recv), is_recv(is_recv), peer(peer), tag(tag) {}
   // NCCL cannot withdraw a posted operation; a cancelled one completes unseen.
   void Cancel() override { Finish(absl::CancelledError(absl::StrCat(tag.ToString(), " cancelled"))); }
-  c10::IValue Value() override {
-    absl::MutexLock lock(&mu_);
-    return value_;
-  }
-  void Finish(absl::Status s, c10::IValue v = {}) {
-    absl::MutexLock lock(&mu_);
-    if (finished_) return;
-    finished_ = true;
-    status_ = std::move(s);
-    value_ = std::move(v);
-  }
 
   const bool is_recv;
-  const int self, peer;
+  const int peer;
   const Tag tag;
   // NCCL thread state.
   std::string header;  // [u64 packed tag][u64 length][wire header]
   std::vector<at::Tensor> tensors;
   c10::IValue value;
-  cudaEvent_t done_event = nullptr;
   std::chrono::steady_clock::time_point posted = std::chrono::steady_clock::now();
-
- private:
-  absl::Mutex mu_;
-  bool finished_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Status status_ ABSL_GUARDED_BY(mu_);
-  c10::IValue value_ ABSL_GUARDED_BY(mu_);
 };
 
 class NcclTransport : public Transport {

@@ -20,6 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "common/log.h"
+#include "pipeline/transport/completion.h"
 #include "pipeline/transport/wire_format.h"
 
 namespace pippy::transport::ucx {
@@ -44,30 +45,15 @@ class Impl;
 
 // One Send or Recv: the Work handed to the caller and the record the progress thread
 // keeps until UCX is done with its buffers.
-class Op : public Work, public std::enable_shared_from_this<Op> {
+class Op : public CompletionWork, public std::enable_shared_from_this<Op> {
  public:
   Op(Impl* owner, bool is_recv, int self, int peer, const Tag& tag)
-      : owner_(owner), is_recv_(is_recv), self_(self), peer_(peer), tag_(tag) {}
+      : CompletionWork(self, peer, tag, is_recv), owner_(owner), is_recv_(is_recv), self_(self), peer_(peer),
+        tag_(tag) {}
 
+  // Drives UCX from the waiting thread first (see Op::Wait below).
   absl::Status Wait(absl::Duration timeout) override;
-  bool IsCompleted() override {
-    absl::MutexLock lock(&mu_);
-    return finished_;
-  }
   void Cancel() override;
-  c10::IValue Value() override {
-    absl::MutexLock lock(&mu_);
-    return value_;
-  }
-  bool Finish(absl::Status status, c10::IValue value = {}) {
-    absl::MutexLock lock(&mu_);
-    if (finished_) return false;
-    finished_ = true;
-    status_ = std::move(status);
-    value_ = std::move(value);
-    finished_fast_.store(true, std::memory_order_release);
-    return true;
-  }
 
   // Progress-thread state.
   Impl* owner_;
@@ -80,13 +66,6 @@ class Op : public Work, public std::enable_shared_from_this<Op> {
   c10::IValue pending_value;
   std::set<void*> requests;  // outstanding UCX requests
   bool payload_posted = false;
-
- private:
-  absl::Mutex mu_;
-  bool finished_ ABSL_GUARDED_BY(mu_) = false;
-  std::atomic<bool> finished_fast_{false};  // mirrors finished_ for spinning without the lock
-  absl::Status status_ ABSL_GUARDED_BY(mu_);
-  c10::IValue value_ ABSL_GUARDED_BY(mu_);
 };
 
 struct EpErrorArg {
@@ -590,18 +569,11 @@ absl::Status Op::Wait(absl::Duration timeout) {
   // on the critical path. Then block; the progress thread carries on.
   const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(kDriveMicros);
   owner_->driving_.fetch_add(1);
-  while (!finished_fast_.load(std::memory_order_acquire) && std::chrono::steady_clock::now() < spin_until) {
+  while (!IsCompleted() && std::chrono::steady_clock::now() < spin_until) {
     if (!owner_->TryProgress()) std::this_thread::yield();
   }
   owner_->driving_.fetch_sub(1);
-  absl::MutexLock lock(&mu_);
-  auto done = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return finished_; };
-  if (!mu_.AwaitWithTimeout(absl::Condition(&done), timeout)) {
-    return absl::DeadlineExceededError(absl::StrCat("rank ", self_, ": ", is_recv_ ? "receive from" : "send to",
-                                                    " rank ", peer_, " (", tag_.ToString(),
-                                                    ") did not complete within ", absl::FormatDuration(timeout)));
-  }
-  return status_;
+  return CompletionWork::Wait(timeout);
 }
 
 void Op::Cancel() {
