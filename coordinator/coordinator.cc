@@ -367,7 +367,12 @@ void Coordinator::OnWorkerMessage(const std::string& worker_id, const WorkerMess
 }
 
 void Coordinator::OnStageDone(JobEntry& e, Outbox* out) {
-  if (e.job.spec().mode() == "train") {
+  if (e.job.spec().mode() == "inference") {
+    // The last stage's rank sent the outputs as stage -1.
+    absl::Status s = store_->PutModel(e.job.job_id(), e.stage_bytes[-1]);
+    if (!s.ok()) return Finish(e, FAILED, std::string(s.message()), out);
+    e.job.set_model_ready(true);
+  } else {
     auto merged = partition::MergeStagesIntoModel(e.model, e.stage_bytes);
     if (!merged.ok()) return Finish(e, FAILED, std::string(merged.status().message()), out);
     absl::Status s = store_->PutModel(e.job.job_id(), *merged);

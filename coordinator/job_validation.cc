@@ -82,6 +82,9 @@ absl::StatusOr<ValidatedJob> ValidateJob(const JobSpec& in, const std::string& m
   auto ds = stage::DataSource::FromBytes(data, *model);
   if (!ds.ok()) return ds.status();
   if (train && !ds->has_targets()) return Bad("data", "training needs \"targets\" in the data file");
+  if (!train && spec.steps() * spec.batch_size() > ds->num_samples() * 64) {
+    return Bad("steps", "an inference job reads each sample at most a few times; lower steps or batch_size");
+  }
   std::vector<c10::IValue> batch = ds->Inputs(0, spec.batch_size());
   torch::jit::Module copy = model->deepcopy();
   auto out_value = TorchCall("data: the inputs do not fit the model", [&] {

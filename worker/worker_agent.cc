@@ -21,6 +21,8 @@
 #include "pipeline/transport/ucx/ucx_transport.h"
 #include "proto/coordinator.grpc.pb.h"
 #include "torch/csrc/jit/runtime/graph_executor.h"
+#include "torch/csrc/jit/serialization/pickle.h"
+#include "torch/serialize.h"
 
 namespace pippy::worker {
 namespace {
@@ -197,12 +199,14 @@ class Agent {
     ro.timeout = options_.wait_timeout;
     auto rt = stage::RankRuntime::Create(a.rank(), pipe->plan, mine, *sched, ucx->get(), ro);
     if (!rt.ok()) return rt.status();
+    std::vector<c10::IValue> outputs;  // inference: the last stage's merged outputs per step
     for (int step = 0; step < spec.steps(); ++step) {
       if (Cancelled()) return absl::CancelledError("cancelled");
       auto res = sched->forward_only ? (*rt)->InferenceStep(step, ds->Inputs(step, spec.batch_size()))
                                      : (*rt)->TrainStep(step, ds->Inputs(step, spec.batch_size()),
                                                         ds->Target(step, spec.batch_size()));
       if (!res.ok()) return res.status();
+      if (sched->forward_only && !res->output.isNone()) outputs.push_back(res->output);
       WorkerMessage rep;
       StepReport* sr = rep.mutable_step();
       sr->set_job_id(a.job_id());
@@ -216,10 +220,24 @@ class Agent {
       log::Info("job={} rank={} step={}{}", a.job_id(), a.rank(), step,
                 res->has_loss ? absl::StrCat(" loss=", res->loss) : "");
     }
-    for (auto& [s, module] : mine) {
-      std::ostringstream out;
-      module.save(out);
-      const std::string bytes = out.str();
+    // Results: inference sends the outputs (stage -1, a torch.save file); training
+    // sends the trained stages.
+    std::vector<std::pair<int, std::string>> results;
+    if (sched->forward_only) {
+      if (!outputs.empty()) {
+        auto merged = stage::MergeMicrobatches(outputs);
+        if (!merged.ok()) return merged.status();
+        std::vector<char> bytes = torch::pickle_save(*merged);
+        results.emplace_back(-1, std::string(bytes.begin(), bytes.end()));
+      }
+    } else {
+      for (auto& [s, module] : mine) {
+        std::ostringstream out;
+        module.save(out);
+        results.emplace_back(s, out.str());
+      }
+    }
+    for (auto& [s, bytes] : results) {
       constexpr size_t kChunk = 1 << 20;
       for (size_t off = 0; off < bytes.size(); off += kChunk) {
         WorkerMessage sr;
