@@ -27,13 +27,16 @@ extern char** environ;
 namespace pippy::cli {
 namespace {
 
-constexpr char kSubmitHelp[] = R"(usage: pippyctl submit MODEL.pt --data FILE (--stages K | --split-at A,B) --schedule NAME
+constexpr char kSubmitHelp[] = R"(usage: pippyctl submit MODEL.pt (--data FILE | --synthetic SPEC) (--stages K | --split-at A,B) --schedule NAME
                         --microbatches M --batch-size B --steps N --loss L --optimizer O --lr X
                         [--balance params|flops|time] [--stages-per-worker V] [--momentum X]
                         [--weight-decay X] [--clip-grad-norm X] [--name N] [--wait] [--output table|json]
 
   --data FILE          torch.save({"inputs": ..., "targets": ...}); step k trains on samples
                        [k*B, (k+1)*B) of it, wrapping around
+  --synthetic SPEC     or data made by the coordinator, for benchmarks:
+                       "inputs=float32[256,1024];targets=float32[256,1024];seed=0"
+                       (int64[64,16]@64 for integers in [0, 64))
   --schedule NAME      gpipe | 1f1b | interleaved-1f1b | looped-bfs | zb1p | zbv | inference
   --loss L             mse | cross_entropy | model (the model's loss(self, output, target))
   --optimizer O        sgd | adam | adamw

@@ -7,6 +7,7 @@
 #include "common/log.h"
 #include "coordinator/job_validation.h"
 #include "pipeline/partition/merge.h"
+#include "pipeline/stage/synthetic_data.h"
 
 namespace pippy::coordinator {
 namespace {
@@ -77,8 +78,25 @@ void Coordinator::Touch(JobEntry& entry) {
 }
 
 absl::StatusOr<std::string> Coordinator::SubmitJob(const JobSpec& spec, std::string model, std::string data) {
+  if (data.empty() && !spec.data().synthetic().empty()) {
+    auto made = stage::MakeSyntheticData(spec.data().synthetic());
+    if (!made.ok()) return made.status();
+    data = std::move(*made);
+  }
   auto validated = ValidateJob(spec, model, data);
   if (!validated.ok()) return validated.status();
+  {
+    absl::MutexLock lock(&mu_);
+    const int registered = static_cast<int>(workers_.size());
+    // No workers yet: a cluster starting up; the job waits. Some, but too few: refuse.
+    if (registered > 0 && validated->ranks > registered) {
+      const int v = validated->spec.schedule().stages_per_worker();
+      return absl::InvalidArgumentError(absl::StrCat(
+          "split: the job needs ", validated->ranks, " workers (", validated->plan.stages_size(), " stages, ", v,
+          " per worker) but only ", registered, " are registered; use fewer stages or more stages per worker "
+          "(an interleaved schedule)"));
+    }
+  }
   Outbox out;
   std::string id;
   {

@@ -76,8 +76,7 @@ absl::StatusOr<ValidatedJob> ValidateJob(const JobSpec& in, const std::string& m
   }
   // Data: shapes must fit the model (one forward pass of the first batch, on a copy).
   if (data.empty()) {
-    if (!spec.data().synthetic().empty()) return Bad("data.synthetic", "synthetic data is not supported yet; send data.file");
-    return Bad("data", "missing: send a torch.save({\"inputs\": ..., \"targets\": ...}) file");
+    return Bad("data", "missing: send a torch.save({\"inputs\": ..., \"targets\": ...}) file or a synthetic spec");
   }
   auto ds = stage::DataSource::FromBytes(data, *model);
   if (!ds.ok()) return ds.status();

@@ -104,6 +104,16 @@ expect_refused "data that does not fit" "data" "$ZOO/gpt.pt" --data "$TMP/wrong.
   --steps 1 --loss model --optimizer sgd --lr 0.1 --stages 2 --schedule 1f1b
 expect_refused "missing loss" "loss: missing" "$ZOO/gpt.pt" --data "$TMP/gpt.data.pt" --microbatches 2 --batch-size 8 \
   --steps 1 --optimizer sgd --lr 0.1 --stages 2 --schedule 1f1b
+expect_refused "more stages than workers" "split: the job needs 8 workers (8 stages, 1 per worker) but only 4 are registered" \
+  "$ZOO/gpt.pt" "${COMMON[@]}" --stages 8 --schedule gpipe
+expect_refused "bad synthetic spec" "data.synthetic" "$ZOO/mlp.pt" --synthetic "inputs=float33[16,32]" --microbatches 2 \
+  --batch-size 16 --steps 1 --loss mse --optimizer sgd --lr 0.1 --stages 2 --schedule 1f1b
+if ctl submit "$ZOO/mlp.pt" --synthetic "inputs=float32[64,32];targets=float32[64,32];seed=3" --stages 2 \
+     --schedule 1f1b --microbatches 4 --batch-size 16 --steps 3 --loss mse --optimizer sgd --lr 0.01 --wait > /dev/null 2>&1; then
+  ok "synthetic data source trains"
+else
+  bad "synthetic data source trains"
+fi
 ctl list > /dev/null && ok "coordinator still serving after bad input" || bad "coordinator still serving after bad input"
 
 # A worker killed mid-job: the job FAILS naming it, the others return to idle, the next job runs.
