@@ -35,14 +35,10 @@ constexpr size_t kMaxBatch = 64;
 
 class NcclOp : public CompletionWork {
  public:
-  NcclOp(bool is_recv, int self, int peer, const Tag& tag)
-      : CompletionWork(self, peer, tag, is_recv), is_recv(is_recv), peer(peer), tag(tag) {}
+  NcclOp(bool is_recv, int self, int peer, const Tag& tag) : CompletionWork(self, peer, tag, is_recv) {}
   // NCCL cannot withdraw a posted operation; a cancelled one completes unseen.
-  void Cancel() override { Finish(absl::CancelledError(absl::StrCat(tag.ToString(), " cancelled"))); }
+  void Cancel() override { Finish(absl::CancelledError(absl::StrCat(tag().ToString(), " cancelled"))); }
 
-  const bool is_recv;
-  const int peer;
-  const Tag tag;
   // NCCL thread state.
   std::string header;  // [u64 packed tag][u64 length][wire header]
   std::vector<at::Tensor> tensors;
@@ -105,8 +101,8 @@ class NcclTransport : public Transport {
 
  private:
   std::shared_ptr<Work> Post(std::shared_ptr<NcclOp> op) {
-    if (op->peer < 0 || op->peer >= n_ || op->peer == rank_) {
-      op->Finish(absl::InvalidArgumentError(absl::StrCat("NCCL transport: bad peer rank ", op->peer)));
+    if (op->peer() < 0 || op->peer() >= n_ || op->peer() == rank_) {
+      op->Finish(absl::InvalidArgumentError(absl::StrCat("NCCL transport: bad peer rank ", op->peer())));
       return op;
     }
     {
@@ -140,8 +136,8 @@ class NcclTransport : public Transport {
             std::lock_guard<std::mutex> lock(mu_);
             aborted_ = true;
           }
-          return absl::UnavailableError(absl::StrCat("rank ", rank_, ": peer rank ", op->peer, " did not take part in ",
-                                                     op->tag.ToString(), " within ",
+          return absl::UnavailableError(absl::StrCat("rank ", rank_, ": peer rank ", op->peer(), " did not take part in ",
+                                                     op->tag().ToString(), " within ",
                                                      absl::FormatDuration(options_.abort_after),
                                                      "; NCCL communicator aborted"));
         }
@@ -155,15 +151,15 @@ class NcclTransport : public Transport {
     // Phase 1: headers, all in one group.
     std::vector<char> host(kSlot * batch.size(), 0);
     for (size_t i = 0; i < batch.size(); ++i) {
-      if (!batch[i]->is_recv) std::memcpy(host.data() + i * kSlot, batch[i]->header.data(), batch[i]->header.size());
+      if (!batch[i]->is_recv()) std::memcpy(host.data() + i * kSlot, batch[i]->header.data(), batch[i]->header.size());
     }
     char* dev = static_cast<char*>(slots_);
     absl::Status s = CudaStatus(cudaMemcpyAsync(dev, host.data(), host.size(), cudaMemcpyHostToDevice, stream_), "header copy");
     if (s.ok()) s = NcclStatus(ncclGroupStart(), "ncclGroupStart");
     for (size_t i = 0; s.ok() && i < batch.size(); ++i) {
       auto& op = batch[i];
-      s = op->is_recv ? NcclStatus(ncclRecv(dev + i * kSlot, kSlot, ncclUint8, op->peer, comm_, stream_), "ncclRecv")
-                      : NcclStatus(ncclSend(dev + i * kSlot, kSlot, ncclUint8, op->peer, comm_, stream_), "ncclSend");
+      s = op->is_recv() ? NcclStatus(ncclRecv(dev + i * kSlot, kSlot, ncclUint8, op->peer(), comm_, stream_), "ncclRecv")
+                      : NcclStatus(ncclSend(dev + i * kSlot, kSlot, ncclUint8, op->peer(), comm_, stream_), "ncclSend");
     }
     if (s.ok()) s = NcclStatus(ncclGroupEnd(), "ncclGroupEnd");
     if (s.ok()) s = CudaStatus(cudaMemcpyAsync(host.data(), dev, host.size(), cudaMemcpyDeviceToHost, stream_), "header copy");
@@ -173,15 +169,15 @@ class NcclTransport : public Transport {
     const at::Device device(at::kCUDA, options_.device);
     for (size_t i = 0; i < batch.size(); ++i) {
       auto& op = batch[i];
-      if (op->is_recv) {
+      if (op->is_recv()) {
         const char* h = host.data() + i * kSlot;
         uint64_t packed, len;
         std::memcpy(&packed, h, 8);
         std::memcpy(&len, h + 8, 8);
-        if (packed != op->tag.Pack()) {
+        if (packed != op->tag().Pack()) {
           op->Finish(absl::InternalError(absl::StrCat(
-              "rank ", rank_, ": NCCL matches messages by order, and rank ", op->peer, " sent ",
-              Tag::Unpack(packed).ToString(), " where ", op->tag.ToString(), " was expected: the two ranks post their "
+              "rank ", rank_, ": NCCL matches messages by order, and rank ", op->peer(), " sent ",
+              Tag::Unpack(packed).ToString(), " where ", op->tag().ToString(), " was expected: the two ranks post their "
               "operations in different orders")));
           continue;
         }
@@ -212,8 +208,8 @@ class NcclTransport : public Transport {
       for (const at::Tensor& t : op->tensors) {
         const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
         if (bytes == 0 || !s.ok()) continue;
-        s = op->is_recv ? NcclStatus(ncclRecv(t.data_ptr(), bytes, ncclUint8, op->peer, comm_, stream_), "ncclRecv")
-                        : NcclStatus(ncclSend(t.data_ptr(), bytes, ncclUint8, op->peer, comm_, stream_), "ncclSend");
+        s = op->is_recv() ? NcclStatus(ncclRecv(t.data_ptr(), bytes, ncclUint8, op->peer(), comm_, stream_), "ncclRecv")
+                        : NcclStatus(ncclSend(t.data_ptr(), bytes, ncclUint8, op->peer(), comm_, stream_), "ncclSend");
       }
     }
     if (s.ok()) s = NcclStatus(ncclGroupEnd(), "ncclGroupEnd");

@@ -8,7 +8,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
-#include <deque>
 #include <functional>
 #include <map>
 #include <set>
@@ -18,7 +17,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
 #include "common/log.h"
 #include "pipeline/transport/completion.h"
 #include "pipeline/transport/wire_format.h"
@@ -48,8 +46,7 @@ class Impl;
 class Op : public CompletionWork, public std::enable_shared_from_this<Op> {
  public:
   Op(Impl* owner, bool is_recv, int self, int peer, const Tag& tag)
-      : CompletionWork(self, peer, tag, is_recv), owner_(owner), is_recv_(is_recv), self_(self), peer_(peer),
-        tag_(tag) {}
+      : CompletionWork(self, peer, tag, is_recv), owner_(owner) {}
 
   // Drives UCX from the waiting thread first (see Op::Wait below).
   absl::Status Wait(absl::Duration timeout) override;
@@ -57,9 +54,6 @@ class Op : public CompletionWork, public std::enable_shared_from_this<Op> {
 
   // Progress-thread state.
   Impl* owner_;
-  const bool is_recv_;
-  const int self_, peer_;
-  const Tag tag_;
   std::string header;
   std::vector<at::Tensor> tensors;
   std::vector<ucp_dt_iov_t> iov;
@@ -137,8 +131,7 @@ class Impl : public UcxTransport {
       return absl::InvalidArgumentError(absl::StrCat("Connect needs ", n_, " addresses, got ", addresses.size()));
     }
     absl::Status result;
-    absl::Notification done;
-    Enqueue([&] {
+    WithWorker([&] {
       for (int r = 0; r < n_; ++r) {
         err_args_[r] = {this, r};
         ucp_ep_params_t ep{};
@@ -155,9 +148,7 @@ class Impl : public UcxTransport {
           break;
         }
       }
-      done.Notify();
     });
-    done.WaitForNotification();
     if (!result.ok()) return result;
     // Hello barrier: wires every endpoint both ways so failures are noticed.
     Tag hello;
@@ -198,7 +189,7 @@ class Impl : public UcxTransport {
       size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
       if (bytes > 0) op->iov.push_back({t.data_ptr(), bytes});
     }
-    Enqueue([this, op] { StartSend(op); });
+    WithWorker([this, op] { StartSend(op); });
     return op;
   }
 
@@ -208,18 +199,17 @@ class Impl : public UcxTransport {
       op->Finish(absl::InvalidArgumentError(absl::StrCat("no rank ", peer, " (world size ", n_, ")")));
       return op;
     }
-    Enqueue([this, op] { StartRecv(op); });
+    WithWorker([this, op] { StartRecv(op); });
     return op;
   }
 
   void CancelOp(const std::shared_ptr<Op>& op) {
-    op->Finish(absl::CancelledError(absl::StrCat("rank ", rank_, ": ", op->tag_.ToString(), " cancelled")));
-    Enqueue([this, op] {
+    op->Finish(absl::CancelledError(absl::StrCat("rank ", rank_, ": ", op->tag().ToString(), " cancelled")));
+    WithWorker([this, op] {
       // Cancelling may complete the request (and erase it) right here: iterate a copy.
       std::set<void*> requests = op->requests;
       for (void* req : requests) ucp_request_cancel(worker_, req);
     });
-    (void)0;
   }
 
   std::shared_ptr<Op> Find(Op* raw) {
@@ -230,7 +220,7 @@ class Impl : public UcxTransport {
  private:
   // Runs `fn` with the worker lock held (UCX calls and the state below), then makes
   // sure someone keeps progressing: a sleeping progress thread is woken.
-  void Enqueue(const std::function<void()>& fn) {
+  void WithWorker(const std::function<void()>& fn) {
     {
       absl::MutexLock lock(&worker_mu_);
       fn();
@@ -325,13 +315,13 @@ class Impl : public UcxTransport {
   }
 
   absl::Status PeerStatus(Op* op, ucs_status_t s, const char* what) {
-    std::string msg = absl::StrCat("rank ", rank_, ": ", what, " rank ", op->peer_, " (", op->tag_.ToString(),
+    std::string msg = absl::StrCat("rank ", rank_, ": ", what, " rank ", op->peer(), " (", op->tag().ToString(),
                                    ") failed: ", UcsError(s));
     if (s == UCS_ERR_CANCELED) return absl::CancelledError(msg);
-    if (dead_[op->peer_] || s == UCS_ERR_ENDPOINT_TIMEOUT || s == UCS_ERR_CONNECTION_RESET ||
+    if (dead_[op->peer()] || s == UCS_ERR_ENDPOINT_TIMEOUT || s == UCS_ERR_CONNECTION_RESET ||
         s == UCS_ERR_UNREACHABLE) {
-      return absl::UnavailableError(absl::StrCat("rank ", rank_, ": peer rank ", op->peer_, " is gone (",
-                                                 op->tag_.ToString(), "): ", UcsError(s)));
+      return absl::UnavailableError(absl::StrCat("rank ", rank_, ": peer rank ", op->peer(), " is gone (",
+                                                 op->tag().ToString(), "): ", UcsError(s)));
     }
     return absl::InternalError(msg);
   }
@@ -339,31 +329,31 @@ class Impl : public UcxTransport {
   void Retire(const std::shared_ptr<Op>& op) {
     if (op->requests.empty()) {
       live_.erase(op.get());
-      pending_by_peer_[op->peer_].erase(op.get());
+      pending_by_peer_[op->peer()].erase(op.get());
     }
   }
 
   absl::Status DeadPeer(Op* op) {
-    return absl::UnavailableError(absl::StrCat("rank ", rank_, ": peer rank ", op->peer_, " is gone (",
-                                               op->tag_.ToString(), ")"));
+    return absl::UnavailableError(absl::StrCat("rank ", rank_, ": peer rank ", op->peer(), " is gone (",
+                                               op->tag().ToString(), ")"));
   }
 
   void StartSend(const std::shared_ptr<Op>& op) {
     if (op->IsCompleted()) return;  // cancelled before it started
-    if (eps_[op->peer_] == nullptr) {
+    if (eps_[op->peer()] == nullptr) {
       op->Finish(absl::FailedPreconditionError("Send before Connect"));
       return;
     }
-    if (dead_[op->peer_]) {
+    if (dead_[op->peer()]) {
       op->Finish(DeadPeer(op.get()));
       return;
     }
-    pending_by_peer_[op->peer_][op.get()] = op;
+    pending_by_peer_[op->peer()][op.get()] = op;
     live_[op.get()] = op;
     ucp_request_param_t hp = Params(op.get(), false);
     hp.cb.send = &Impl::OnSendDone;
-    if (!Track(op, ucp_tag_send_nbx(eps_[op->peer_], op->header.data(), op->header.size(),
-                                    UcxTag(rank_, 0, op->tag_), &hp), "send to")) {
+    if (!Track(op, ucp_tag_send_nbx(eps_[op->peer()], op->header.data(), op->header.size(),
+                                    UcxTag(rank_, 0, op->tag()), &hp), "send to")) {
       return;
     }
     if (!op->iov.empty()) {
@@ -374,7 +364,7 @@ class Impl : public UcxTransport {
       pp.cb.send = &Impl::OnSendDone;
       void* buf = single ? op->iov[0].buffer : static_cast<void*>(op->iov.data());
       size_t count = single ? op->iov[0].length : op->iov.size();
-      if (!Track(op, ucp_tag_send_nbx(eps_[op->peer_], buf, count, UcxTag(rank_, 1, op->tag_), &pp), "send to")) {
+      if (!Track(op, ucp_tag_send_nbx(eps_[op->peer()], buf, count, UcxTag(rank_, 1, op->tag()), &pp), "send to")) {
         return;
       }
     }
@@ -400,11 +390,11 @@ class Impl : public UcxTransport {
 
   void StartRecv(const std::shared_ptr<Op>& op) {
     if (op->IsCompleted()) return;
-    if (dead_[op->peer_]) {
+    if (dead_[op->peer()]) {
       op->Finish(DeadPeer(op.get()));
       return;
     }
-    pending_by_peer_[op->peer_][op.get()] = op;
+    pending_by_peer_[op->peer()][op.get()] = op;
     live_[op.get()] = op;
     op->header.resize(kMaxHeader);
     ucp_request_param_t p = Params(op.get(), false);
@@ -412,7 +402,7 @@ class Impl : public UcxTransport {
     p.op_attr_mask |= UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
     p.cb.recv = &Impl::OnRecvDone;
     ucs_status_ptr_t req = ucp_tag_recv_nbx(worker_, op->header.data(), op->header.size(),
-                                            UcxTag(op->peer_, 0, op->tag_), ~uint64_t{0}, &p);
+                                            UcxTag(op->peer(), 0, op->tag()), ~uint64_t{0}, &p);
     Track(op, req, "receive from");
   }
 
@@ -444,7 +434,7 @@ class Impl : public UcxTransport {
     c10::IValue value = decoded.ok() ? *decoded : c10::IValue();
     if (!decoded.ok()) {
       op->Finish(absl::DataLossError(absl::StrCat("rank ", rank_, ": malformed message header from rank ",
-                                                  op->peer_, " (", op->tag_.ToString(), ")")));
+                                                  op->peer(), " (", op->tag().ToString(), ")")));
       Retire(op);
       return;
     }
@@ -467,7 +457,7 @@ class Impl : public UcxTransport {
     p.cb.recv = &Impl::OnRecvDone;
     void* buf = single ? op->iov[0].buffer : static_cast<void*>(op->iov.data());
     size_t count = single ? op->iov[0].length : op->iov.size();
-    ucs_status_ptr_t req = ucp_tag_recv_nbx(worker_, buf, count, UcxTag(op->peer_, 1, op->tag_), ~uint64_t{0}, &p);
+    ucs_status_ptr_t req = ucp_tag_recv_nbx(worker_, buf, count, UcxTag(op->peer(), 1, op->tag()), ~uint64_t{0}, &p);
     Track(op, req, "receive from");
   }
 

@@ -10,10 +10,11 @@
 // The UCX tag carries the sender's rank, so Recv(peer, tag) matches only `peer`.
 // Limits: 256 ranks; Tag.index < 4096; steps are taken modulo 4096.
 //
-// Threads: all UCX calls run on one progress thread owned by the transport; Send,
-// Recv, Cancel and Wait hand work to it through a queue and an eventfd. The progress
-// thread spins briefly, then sleeps on the worker's event fd (ucp_worker_arm) so an
-// idle transport costs no CPU.
+// Threads: every UCX call happens under one worker mutex. Send, Recv and Cancel make
+// their UCX calls directly; a thread in Wait() drives UCX itself for a while (no thread
+// hand-off on the critical path) before blocking. A background progress thread keeps
+// UCX moving when nobody waits and sleeps on the worker's event fd (ucp_worker_arm)
+// when idle, so an idle transport costs no CPU.
 //
 // Failure: endpoints use UCP_ERR_HANDLING_MODE_PEER with a keepalive (default 200 ms,
 // UCX_KEEPALIVE_INTERVAL overrides), and shared-memory transports get
