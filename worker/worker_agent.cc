@@ -10,7 +10,6 @@
 
 #include "ATen/Parallel.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "common/log.h"
 #include "grpcpp/grpcpp.h"
 #include "pipeline/partition/model_io.h"
@@ -144,16 +143,14 @@ class Agent {
     if (!ds.ok()) return ds.status();
     auto kind = schedule::ParseScheduleKind(spec.schedule().name());
     if (!kind.ok()) return kind.status();
+    // Split exactly where the coordinator did (its plan's split points), so every rank
+    // holds the same stages whatever the balance mode measured.
     partition::SplitOptions so;
-    so.num_stages = spec.split().stages();
-    so.split_at.assign(spec.split().split_at().begin(), spec.split().split_at().end());
-    if (!spec.split().balance().empty()) so.balance = *partition::ParseBalance(spec.split().balance());
-    so.example_inputs = ds->Inputs(0, spec.batch_size());
+    so.split_at.assign(a.plan().split_points().begin(), a.plan().split_points().end());
+    so.num_stages = a.plan().stages_size();
     auto pipe = partition::SplitModel(*model, so);
     if (!pipe.ok()) return pipe.status();
-    // Every rank must hold the coordinator's plan: same cuts, same stages.
-    if (pipe->plan.stages_size() != a.plan().stages_size() ||
-        absl::StrJoin(pipe->plan.split_points(), ",") != absl::StrJoin(a.plan().split_points(), ",")) {
+    if (pipe->plan.stages_size() != a.plan().stages_size()) {
       return absl::InternalError("this worker split the model differently from the coordinator (versions differ?)");
     }
     schedule::ScheduleOptions opts;

@@ -5,29 +5,13 @@
 #include <map>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status.h"
 
 namespace pippy::partition {
 namespace {
-
-// First and last op of every module path (ancestors included).
-struct ModuleSpans {
-  std::map<std::string, std::pair<int, int>> span;
-
-  explicit ModuleSpans(const ModelGraph& mg) {
-    for (int i = 0; i < mg.num_ops(); ++i) {
-      std::string path = mg.op_path(i);
-      while (!path.empty()) {
-        auto [it, inserted] = span.emplace(path, std::make_pair(i, i));
-        if (!inserted) it->second.second = i;
-        auto dot = path.rfind('.');
-        path = dot == std::string::npos ? "" : path.substr(0, dot);
-      }
-    }
-  }
-};
 
 size_t EditDistance(const std::string& a, const std::string& b) {
   std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
@@ -82,19 +66,19 @@ std::vector<std::string> NearestModulePaths(const ModelGraph& mg, const std::str
 
 std::string CutName(const ModelGraph& mg, int c) {
   if (c <= 0 || c >= mg.num_ops()) return "";
-  ModuleSpans spans(mg);
+  const auto& spans = mg.module_spans();
   std::string best;
   // Highest-level module that starts exactly at op c.
   for (std::string path = mg.op_path(c); !path.empty();) {
-    auto it = spans.span.find(path);
-    if (it != spans.span.end() && it->second.first == c) best = path;
+    auto it = spans.find(path);
+    if (it != spans.end() && it->second.first == c) best = path;
     auto dot = path.rfind('.');
     path = dot == std::string::npos ? "" : path.substr(0, dot);
   }
   if (!best.empty()) return best;
   for (std::string path = mg.op_path(c - 1); !path.empty();) {
-    auto it = spans.span.find(path);
-    if (it != spans.span.end() && it->second.second == c - 1) best = path + ":end";
+    auto it = spans.find(path);
+    if (it != spans.end() && it->second.second == c - 1) best = path + ":end";
     auto dot = path.rfind('.');
     path = dot == std::string::npos ? "" : path.substr(0, dot);
   }
@@ -103,31 +87,39 @@ std::string CutName(const ModelGraph& mg, int c) {
 
 absl::StatusOr<std::vector<int>> CutsFromSplitAt(const ModelGraph& mg,
                                                  const std::vector<std::string>& split_at) {
-  ModuleSpans spans(mg);
+  const auto& spans = mg.module_spans();
   std::vector<std::pair<int, std::string>> cuts;
   for (const std::string& spec : split_at) {
     std::string path = spec;
     bool after = false;
-    if (absl::EndsWith(path, ":end")) {
-      path.resize(path.size() - 4);
-      after = true;
-    }
-    auto it = spans.span.find(path);
-    if (it == spans.span.end()) {
-      bool exists = std::find(mg.module_paths().begin(), mg.module_paths().end(), path) !=
-                    mg.module_paths().end();
-      if (exists) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "split point '", spec, "': module '", path,
-            "' runs no operations in forward(), so it marks no position; split at a module "
-            "that forward() calls"));
+    int c = -1;
+    if (absl::StartsWith(spec, "op:")) {
+      // A plan's spelling of a cut no module path names: the op position itself.
+      if (!absl::SimpleAtoi(spec.substr(3), &c)) {
+        return absl::InvalidArgumentError(absl::StrCat("split point '", spec, "': op:N needs a number"));
       }
-      return absl::InvalidArgumentError(absl::StrCat(
-          "split point '", spec, "': the model has no module '", path, "'; nearest names: ",
-          absl::StrJoin(NearestModulePaths(mg, path), ", "),
-          " (`pippyctl split MODEL --list-cuts` lists where the model can be cut)"));
+    } else {
+      if (absl::EndsWith(path, ":end")) {
+        path.resize(path.size() - 4);
+        after = true;
+      }
+      auto it = spans.find(path);
+      if (it == spans.end()) {
+        bool exists = std::find(mg.module_paths().begin(), mg.module_paths().end(), path) !=
+                      mg.module_paths().end();
+        if (exists) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "split point '", spec, "': module '", path,
+              "' runs no operations in forward(), so it marks no position; split at a module "
+              "that forward() calls"));
+        }
+        return absl::InvalidArgumentError(absl::StrCat(
+            "split point '", spec, "': the model has no module '", path, "'; nearest names: ",
+            absl::StrJoin(NearestModulePaths(mg, path), ", "),
+            " (`pippyctl split MODEL --list-cuts` lists where the model can be cut)"));
+      }
+      c = after ? it->second.second + 1 : it->second.first;
     }
-    int c = after ? it->second.second + 1 : it->second.first;
     if (c <= 0 || c >= mg.num_ops()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "split point '", spec, "' is at the ", c <= 0 ? "start" : "end",

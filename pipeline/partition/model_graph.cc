@@ -139,6 +139,14 @@ absl::Status ModelGraph::Analyze() {
     }
   }
   const int n_ops = num_ops();
+  for (int i = 0; i < n_ops; ++i) {
+    for (std::string path = op_paths_[i]; !path.empty();) {
+      auto [it, inserted] = module_spans_.emplace(path, std::make_pair(i, i));
+      if (!inserted) it->second.second = i;
+      auto dot = path.rfind('.');
+      path = dot == std::string::npos ? "" : path.substr(0, dot);
+    }
+  }
 
   // Tensor attributes read by each op.
   tensor_reads_.resize(n_ops);

@@ -11,6 +11,7 @@
 #ifndef PIPPY_PIPELINE_PARTITION_MODEL_GRAPH_H_
 #define PIPPY_PIPELINE_PARTITION_MODEL_GRAPH_H_
 
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -63,6 +64,9 @@ class ModelGraph {
   const std::vector<int>& marker_cuts() const { return marker_cuts_; }
   const std::vector<std::string>& marker_paths() const { return marker_paths_; }
 
+  // First and last op of every module path that runs ops (ancestors included).
+  const std::map<std::string, std::pair<int, int>>& module_spans() const { return module_spans_; }
+
   // Every submodule path of the model ("" excluded), in module order.
   const std::vector<std::string>& module_paths() const { return module_paths_; }
 
@@ -99,6 +103,7 @@ class ModelGraph {
   std::vector<int> marker_cuts_;
   std::vector<std::string> marker_paths_;
   std::vector<std::string> module_paths_;
+  std::map<std::string, std::pair<int, int>> module_spans_;
   std::vector<ModelTensor> tensors_;
   std::unordered_map<std::string, int> tensor_index_;
   std::vector<std::vector<std::string>> tensor_reads_;

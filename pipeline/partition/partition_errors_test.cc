@@ -112,6 +112,29 @@ TEST(SplitAt, EndSuffix_CutsAfterModule) {
   EXPECT_EQ(pipe->plan.stages(2).first_module().rfind("blocks.5", 0), 0u);
 }
 
+TEST(SplitAt, PlanSplitPoints_ReproduceTheSplit) {
+  // Workers re-split at the coordinator's recorded split points; unnamed cuts are op:N.
+  auto m = LoadModel(Zoo("multi.pt"));
+  ASSERT_TRUE(m.ok());
+  SplitOptions opts;
+  opts.num_stages = 4;
+  auto first = SplitModel(*m, opts);
+  ASSERT_TRUE(first.ok()) << first.status();
+  bool has_op = false;
+  for (const auto& p : first->plan.split_points()) has_op |= p.rfind("op:", 0) == 0;
+  EXPECT_TRUE(has_op) << "this case should exercise an unnamed cut";
+  SplitOptions again;
+  again.split_at.assign(first->plan.split_points().begin(), first->plan.split_points().end());
+  auto second = SplitModel(*m, again);
+  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_EQ(second->plan.stages_size(), first->plan.stages_size());
+  for (int s = 0; s < first->plan.stages_size(); ++s) {
+    EXPECT_EQ(second->plan.stages(s).first_node(), first->plan.stages(s).first_node());
+  }
+  EXPECT_THAT(SplitError("mlp.pt", [] { SplitOptions o; o.split_at = {"op:x"}; return o; }()).message(),
+              HasSubstr("op:N needs a number"));
+}
+
 TEST(AutoSplit, MoreStagesThanLegalCuts_SaysHowMany) {
   SplitOptions opts;
   opts.num_stages = 500;
