@@ -19,6 +19,14 @@ void Init(const std::string& component, Level level) {
   spdlog::set_default_logger(logger);
 }
 
+absl::Status InitWithLevel(const std::string& component, const std::string& text) {
+  Level level;
+  absl::Status s = ParseLevel(text, &level);
+  if (!s.ok()) return s;
+  Init(component, level);
+  return absl::OkStatus();
+}
+
 absl::Status ParseLevel(const std::string& text, Level* level) {
   if (text == "debug") *level = Level::kDebug;
   else if (text == "info") *level = Level::kInfo;

@@ -20,6 +20,9 @@ enum class Level { kDebug, kInfo, kWarn, kError, kOff };
 // "worker-3", "pippyctl"); lines go to stderr. Safe to call more than once.
 void Init(const std::string& component, Level level = Level::kInfo);
 
+// Init with a level given as text (a --log-level flag). Errors: INVALID_ARGUMENT.
+absl::Status InitWithLevel(const std::string& component, const std::string& level);
+
 // Parses "debug|info|warn|error|off".
 absl::Status ParseLevel(const std::string& text, Level* level);
 

@@ -7,6 +7,7 @@
 #include "common/log.h"
 #include "coordinator/job_validation.h"
 #include "pipeline/partition/merge.h"
+#include "pipeline/schedule/schedule.h"
 #include "pipeline/stage/synthetic_data.h"
 
 namespace pippy::coordinator {
@@ -19,13 +20,13 @@ int64_t NowMs() { return absl::ToUnixMillis(absl::Now()); }
 bool Terminal(JobState s) { return s == SUCCEEDED || s == FAILED || s == CANCELLED; }
 
 std::string StagesOfRank(const Job& job, int rank) {
-  const int v = job.spec().schedule().stages_per_worker();
-  const int ranks = job.plan().stages_size() / std::max(v, 1);
+  auto kind = schedule::ParseScheduleKind(job.spec().schedule().name());  // validated at submission
+  const int v = std::max(job.spec().schedule().stages_per_worker(), 1);
+  const int stages = job.plan().stages_size();
+  std::vector<int> placement = schedule::Placement(kind.ok() ? *kind : schedule::ScheduleKind::kGPipe, stages / v, stages);
   std::vector<std::string> out;
-  for (int s = 0; s < job.plan().stages_size(); ++s) {
-    // loop placement (s mod ranks) or V placement, as the schedules place them
-    int r = job.spec().schedule().name() == "zbv" ? (s < ranks ? s : 2 * ranks - 1 - s) : s % ranks;
-    if (r == rank) out.push_back(absl::StrCat(s));
+  for (int s = 0; s < stages; ++s) {
+    if (placement[s] == rank) out.push_back(absl::StrCat(s));
   }
   return absl::StrJoin(out, ",");
 }

@@ -38,10 +38,8 @@ int main(int argc, char** argv) {
     std::cout << kHelp;
     return 0;
   }
-  log::Level level = log::Level::kInfo;
-  absl::Status ls = log::ParseLevel(args->Get("log-level", "info"), &level);
-  if (!ls.ok()) return cli::Fail(ls);
-  log::Init("coordinator", level);
+  absl::Status logging = log::InitWithLevel("coordinator", args->Get("log-level", "info"));
+  if (!logging.ok()) return cli::Fail(logging);
   auto port = args->GetInt("port", 7070);
   auto hb = args->GetDouble("heartbeat-timeout-s", 10);
   if (!port.ok()) return cli::Fail(port.status());

@@ -32,10 +32,8 @@ int main(int argc, char** argv) {
     std::cout << kHelp;
     return 0;
   }
-  log::Level level = log::Level::kInfo;
-  absl::Status ls = log::ParseLevel(args->Get("log-level", "info"), &level);
-  if (!ls.ok()) return cli::Fail(ls);
-  log::Init("worker", level);
+  absl::Status logging = log::InitWithLevel("worker", args->Get("log-level", "info"));
+  if (!logging.ok()) return cli::Fail(logging);
   worker::AgentOptions o;
   const char* env = std::getenv("PIPPY_COORDINATOR");
   o.coordinator = args->Get("coordinator", env ? env : "localhost:7070");

@@ -203,12 +203,11 @@ absl::StatusOr<std::vector<double>> FlopCosts(const ModelGraph& mg,
   return cost;
 }
 
-// Builds all stages for the cuts and fills the plan (without example data).
+// Builds all stages for the cuts and fills the plan (without costs or example data).
 absl::Status BuildPipe(const ModelGraph& mg, const std::vector<int>& cuts, Pipe* pipe) {
   StageGraphs sg = DefineStages(mg, cuts);
   PipelinePlan& plan = pipe->plan;
   std::vector<std::vector<int>> tensor_stages(mg.tensors().size());
-  const std::vector<double> param_cost = ParamCosts(mg);
   for (const StageDefinition& def : sg.defs) {
     PIPPY_ASSIGN_OR_RETURN(BuiltStage built, BuildStage(mg, def));
     StagePlan* sp = plan.add_stages();
@@ -241,9 +240,6 @@ absl::Status BuildPipe(const ModelGraph& mg, const std::vector<int>& cuts, Pipe*
       so->set_name("output");
       so->set_type(mg.graph().outputs()[0]->type()->repr_str());
     }
-    double cost = 0;
-    for (int i = def.begin; i < def.end; ++i) cost += param_cost[i];
-    sp->set_cost(cost);
     for (const auto& [name, index] : built.tensors) {
       const ModelTensor& mt = mg.tensors()[index];
       ParameterInfo* pi = sp->add_parameters();
@@ -275,9 +271,8 @@ absl::Status BuildPipe(const ModelGraph& mg, const std::vector<int>& cuts, Pipe*
     for (int s : tensor_stages[t]) {
       tp->add_stages(s);
       for (ParameterInfo& pi : *plan.mutable_stages(s)->mutable_parameters()) {
-        if (pi.name() == mg.tensors()[t].names[0] ||
-            std::find(mg.tensors()[t].names.begin(), mg.tensors()[t].names.end(), pi.name()) !=
-                mg.tensors()[t].names.end()) {
+        const auto& names = mg.tensors()[t].names;
+        if (std::find(names.begin(), names.end(), pi.name()) != names.end()) {
           pi.set_tie_group(group);
         }
       }

@@ -275,6 +275,14 @@ int DefaultStagesPerRank(ScheduleKind kind) {
   }
 }
 
+std::vector<int> Placement(ScheduleKind kind, int num_ranks, int num_stages) {
+  std::vector<int> out(num_stages);
+  for (int s = 0; s < num_stages; ++s) {
+    out[s] = kind == ScheduleKind::kZBV ? (s < num_ranks ? s : 2 * num_ranks - 1 - s) : s % num_ranks;
+  }
+  return out;
+}
+
 absl::StatusOr<Schedule> MakeSchedule(ScheduleKind kind, const ScheduleOptions& options) {
   const int R = options.num_ranks, m = options.num_microbatches;
   const std::string name = ScheduleKindName(kind);
@@ -312,10 +320,7 @@ absl::StatusOr<Schedule> MakeSchedule(ScheduleKind kind, const ScheduleOptions& 
         name, " with ", R, " ranks and ", v, " stage(s) per rank runs ", sc.num_stages,
         " stages, but the model was split into ", sc.graph.num_stages()));
   }
-  sc.stage_to_rank.resize(sc.num_stages);
-  for (int s = 0; s < sc.num_stages; ++s) {
-    sc.stage_to_rank[s] = kind == ScheduleKind::kZBV ? (s < R ? s : 2 * R - 1 - s) : s % R;
-  }
+  sc.stage_to_rank = Placement(kind, R, sc.num_stages);
   sc.ranks.assign(R, {});
   switch (kind) {
     case ScheduleKind::kGPipe: GPipe(&sc); break;

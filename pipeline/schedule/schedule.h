@@ -71,6 +71,9 @@ struct ScheduleOptions {
   StageGraph graph;         // empty: a chain of ranks * stages_per_rank stages
 };
 
+// Which rank holds each stage (see the placement rules above).
+std::vector<int> Placement(ScheduleKind kind, int num_ranks, int num_stages);
+
 // Generates the compute actions and inserts SEND/RECV actions.
 absl::StatusOr<Schedule> MakeSchedule(ScheduleKind kind, const ScheduleOptions& options);
 
