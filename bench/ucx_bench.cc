@@ -4,17 +4,22 @@
 // include what its messages carry on top of UCX: the header with dtype/shape/structure,
 // tag matching on (peer, tag), and allocating (or reusing) the received tensor.
 //
-// Run: bazel run -c opt //bench:ucx_bench   (needs ucx_perftest from ucx-utils)
+// Run: bazel run -c opt //bench:ucx_bench [-- --tls tcp,self --sizes 1048576 --reps 5]
+// (needs ucx_perftest from ucx-utils)
+#include <sched.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <deque>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "ATen/ATen.h"
 #include "absl/strings/escaping.h"
@@ -42,6 +47,18 @@ struct Child {
   }
 };
 
+// Pins process `pid` (0: this one, all its threads) to one CPU.
+void Pin(pid_t pid, int cpu) {
+  if (cpu < 0) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  if (sched_setaffinity(pid, sizeof(set), &set) != 0) std::perror("sched_setaffinity");
+}
+
+// CPUs for the sender and the receiver: 0 and 1 where there are two, else unpinned.
+int g_send_cpu = -1, g_recv_cpu = -1;
+
 void Spawn(Child* c, const std::vector<std::string>& args) {
   int to_child[2], from_child[2];
   (void)!pipe(to_child);
@@ -52,8 +69,10 @@ void Spawn(Child* c, const std::vector<std::string>& args) {
   posix_spawn_file_actions_adddup2(&fa, from_child[1], 1);
   posix_spawn_file_actions_addclose(&fa, to_child[1]);
   posix_spawn_file_actions_addclose(&fa, from_child[0]);
+  std::vector<std::string> full = args;
+  if (g_recv_cpu >= 0) full.insert(full.begin(), {"/usr/bin/taskset", "-c", std::to_string(g_recv_cpu)});
   std::vector<char*> argv;
-  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  for (const auto& a : full) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
   posix_spawn(&c->pid, argv[0], &fa, nullptr, argv.data(), environ);
   posix_spawn_file_actions_destroy(&fa);
@@ -133,14 +152,23 @@ double PippyLatency(ucx::UcxTransport* t, int64_t bytes, uint32_t* counter) {
 }
 
 // Runs ucx_perftest server + client; returns {avg latency us, avg bandwidth MB/s}.
-std::pair<double, double> Perftest(const std::string& test, int64_t bytes, const std::string& tls, int port) {
-  std::string env = absl::StrCat("UCX_TLS=", tls, tls.find("tcp") != std::string::npos ? " UCX_NET_DEVICES=lo" : "");
+// `peer_errors`: endpoints in peer error-handling mode with pippy's keepalive and
+// shared-memory settings (ucx_perftest -e), as pippy's are: the like-for-like reference.
+// Without it, UCX may pick faster protocols (on tcp: zero-copy PUT rendezvous) that it
+// does not allow where peer failures must be detected.
+std::pair<double, double> Perftest(const std::string& test, int64_t bytes, const std::string& tls, int port,
+                                   bool peer_errors) {
+  std::string env = absl::StrCat(peer_errors ? "UCX_MM_ERROR_HANDLING=y UCX_KEEPALIVE_INTERVAL=200ms"
+                                             : "-u UCX_MM_ERROR_HANDLING",
+                                 " UCX_TLS=", tls, tls.find("tcp") != std::string::npos ? " UCX_NET_DEVICES=lo" : "");
+  auto pin = [](int cpu) { return cpu < 0 ? std::string() : absl::StrCat(" -c ", cpu); };
   int n = test == "tag_lat" ? std::min(2000, Iterations(bytes)) : Iterations(bytes);
-  std::string common = absl::StrCat(" -p ", port, " -t ", test, " -s ", bytes, " -n ", n, " -w ", std::max(5, n / 10));
-  std::string server = absl::StrCat("env ", env, " timeout 120 ucx_perftest", common, " > /dev/null 2>&1 &");
+  std::string common = absl::StrCat(" -p ", port, " -t ", test, " -s ", bytes, " -n ", n, " -w ", std::max(5, n / 10),
+                                    peer_errors ? " -e" : "");
+  std::string server = absl::StrCat("env ", env, " timeout 120 ucx_perftest", common, pin(g_recv_cpu), " > /dev/null 2>&1 &");
   (void)!system(server.c_str());
   usleep(300000);
-  std::string client = absl::StrCat("env ", env, " timeout 120 ucx_perftest localhost", common, " 2>/dev/null");
+  std::string client = absl::StrCat("env ", env, " timeout 120 ucx_perftest localhost", common, pin(g_send_cpu), " 2>/dev/null");
   FILE* p = popen(client.c_str(), "r");
   char buf[1024];
   std::pair<double, double> out{0, 0};
@@ -155,17 +183,54 @@ std::pair<double, double> Perftest(const std::string& test, int64_t bytes, const
   return out;
 }
 
+// Median of `v` (v non-empty).
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
 }  // namespace
 
-int main() {
+// Flags: --tls sm,self|tcp,self (repeatable; default both), --sizes 1048576,4194304,...
+// (default 1 KiB .. 64 MiB), --reps N (default 3). Each size is measured N times,
+// alternating pippy and ucx_perftest, and the table shows the median of each side, so
+// that the machine's drift hits both alike.
+int main(int argc, char** argv) {
   const std::string peer = "pipeline/transport/ucx/ucx_peer";
-  const std::vector<int64_t> sizes = {1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20};
+  std::vector<int64_t> sizes = {1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20};
+  std::vector<std::string> transports;
+  int reps = 3;
+  bool pin = true;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    std::string k = argv[i], v = argv[i + 1];
+    if (k == "--tls") {
+      transports.push_back(v);
+    } else if (k == "--sizes") {
+      sizes.clear();
+      for (absl::string_view f : absl::StrSplit(v, ',', absl::SkipEmpty())) sizes.push_back(std::atoll(std::string(f).c_str()));
+    } else if (k == "--pin") {
+      pin = v != "0" && v != "false";
+    } else if (k == "--reps") {
+      reps = std::max(1, std::atoi(v.c_str()));
+    } else {
+      std::fprintf(stderr, "ucx_bench: unknown flag %s (flags: --tls, --sizes, --reps, --pin)\n", k.c_str());
+      return 2;
+    }
+  }
+  if (transports.empty()) transports = {"sm,self", "tcp,self"};
+  if (pin && std::thread::hardware_concurrency() >= 2) {
+    g_send_cpu = 0;
+    g_recv_cpu = 1;
+    Pin(0, g_send_cpu);
+  }
   int port = 14100 + getpid() % 500;
-  std::printf("pippy UCX transport vs ucx_perftest (two processes, same UCX_TLS, same sizes)\n");
-  for (const std::string tls : {"sm,self", "tcp,self"}) {
+  std::printf("pippy UCX transport vs ucx_perftest (two processes, same UCX_TLS, same sizes; median of %d "
+              "alternating runs each; %s)\n", reps,
+              g_send_cpu < 0 ? "unpinned" : "sender pinned to CPU 0, receiver to CPU 1, both tools alike");
+  for (const std::string& tls : transports) {
     std::printf("\nUCX_TLS=%s%s\n", tls.c_str(), tls.find("tcp") != std::string::npos ? " UCX_NET_DEVICES=lo" : "");
-    std::printf("%10s | %12s %12s %7s | %10s %10s %10s\n", "bytes", "pippy MB/s", "perftest", "ratio",
-                "pippy us", "perftest", "overhead");
+    std::printf("%10s | %10s %10s %7s | %10s %7s | %8s %8s %8s\n", "bytes", "pippy MB/s", "perftest", "ratio",
+                "no-EH", "ratio", "pippy us", "perftest", "overhead");
     Child sink, echo;
     Spawn(&sink, {peer, "--tls", tls, "--mode", "sink"});
     auto bw_t = ConnectTo(&sink, tls);
@@ -174,12 +239,18 @@ int main() {
     uint32_t counter = 0, round = 0;
     for (int64_t bytes : sizes) {
       PippyBandwidth(bw_t.get(), bytes, round++);  // warm-up (buffers, connections)
-      double bw = PippyBandwidth(bw_t.get(), bytes, round++);
-      double lat = PippyLatency(lat_t.get(), bytes, &counter);
-      auto pbw = Perftest("tag_bw", bytes, tls, port++);
-      auto plat = Perftest("tag_lat", bytes, tls, port++);
-      std::printf("%10lld | %12.0f %12.0f %6.0f%% | %10.2f %10.2f %10.2f\n", static_cast<long long>(bytes), bw,
-                  pbw.second, pbw.second > 0 ? 100 * bw / pbw.second : 0.0, lat, plat.first, lat - plat.first);
+      std::vector<double> bw, lat, pbw, plat, raw;
+      for (int rep = 0; rep < reps; ++rep) {
+        bw.push_back(PippyBandwidth(bw_t.get(), bytes, round++));
+        lat.push_back(PippyLatency(lat_t.get(), bytes, &counter));
+        pbw.push_back(Perftest("tag_bw", bytes, tls, port++, true).second);
+        plat.push_back(Perftest("tag_lat", bytes, tls, port++, true).first);
+        raw.push_back(Perftest("tag_bw", bytes, tls, port++, false).second);
+      }
+      const double b = Median(bw), l = Median(lat), pb = Median(pbw), pl = Median(plat), r = Median(raw);
+      std::printf("%10lld | %10.0f %10.0f %6.0f%% | %10.0f %6.0f%% | %8.2f %8.2f %8.2f\n",
+                  static_cast<long long>(bytes), b, pb, pb > 0 ? 100 * b / pb : 0.0, r, r > 0 ? 100 * b / r : 0.0, l,
+                  pl, l - pl);
       std::fflush(stdout);
     }
     Tag stop;
@@ -187,6 +258,10 @@ int main() {
     stop.step = round;
     bw_t->Send(1, stop, c10::IValue())->Wait(absl::Seconds(5)).IgnoreError();
   }
-  std::printf("\nratio: pippy bandwidth / ucx_perftest tag_bw; overhead: pippy latency - ucx_perftest tag_lat\n");
+  std::printf(
+      "\nperftest: ucx_perftest -e (peer error handling, keepalive 200ms, UCX_MM_ERROR_HANDLING=y: pippy's endpoint\n"
+      "settings); ratio: pippy bandwidth / its tag_bw; overhead: pippy latency - its tag_lat (one way).\n"
+      "no-EH: ucx_perftest tag_bw without error handling, which UCX may run on faster protocols that cannot\n"
+      "detect a dead peer (on tcp: zero-copy PUT rendezvous); its ratio shows what failure detection costs.\n");
   return 0;
 }

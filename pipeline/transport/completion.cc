@@ -4,10 +4,12 @@
 
 namespace pippy::transport {
 
-absl::Status CompletionWork::Wait(absl::Duration timeout) {
+absl::Status CompletionWork::Wait(absl::Duration timeout) { return WaitRest(timeout, timeout); }
+
+absl::Status CompletionWork::WaitRest(absl::Duration rest, absl::Duration timeout) {
   absl::MutexLock lock(&mu_);
   auto done = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return finished_; };
-  if (!mu_.AwaitWithTimeout(absl::Condition(&done), timeout)) {
+  if (!mu_.AwaitWithTimeout(absl::Condition(&done), rest)) {
     return absl::DeadlineExceededError(absl::StrCat("rank ", self_, ": ", is_recv_ ? "receive from" : "send to",
                                                     " rank ", peer_, " (", tag_.ToString(),
                                                     ") did not complete within ", absl::FormatDuration(timeout)));

@@ -26,6 +26,10 @@ class CompletionWork : public Work {
   // Completes the operation; later calls are ignored. Returns whether this one won.
   bool Finish(absl::Status status, c10::IValue value = {});
 
+  // Blocks for the `rest` of a Wait(timeout) that already spent some of it elsewhere;
+  // the error names the whole `timeout`.
+  absl::Status WaitRest(absl::Duration rest, absl::Duration timeout);
+
   int self() const { return self_; }
   int peer() const { return peer_; }
   const Tag& tag() const { return tag_; }

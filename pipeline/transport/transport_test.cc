@@ -9,6 +9,7 @@
 #include "pipeline/transport/nccl/nccl_transport.h"
 #include "pipeline/transport/ucx/ucx_transport.h"
 #include "pipeline/transport/transport.h"
+#include "pipeline/transport/wire_format.h"
 
 namespace pippy::transport {
 namespace {
@@ -187,6 +188,34 @@ TEST_P(TransportSuite, SizesFromZeroTo256MiB_ArriveIntact) {
   }
 }
 
+TEST_P(TransportSuite, AroundTheInlineLimit_ArriveIntact) {
+  // One message (header + bytes) up to wire::kMaxInlinePayload, two above it; tuples
+  // whose tensors together straddle the limit.
+  const int64_t limit = static_cast<int64_t>(wire::kMaxInlinePayload);
+  std::vector<c10::IValue> values;
+  for (int64_t bytes : {limit - 4, limit, limit + 4}) values.push_back(at::arange(bytes / 4, at::kInt));
+  values.push_back(c10::ivalue::Tuple::create(
+      {at::arange(limit / 8, at::kInt), int64_t{7}, at::arange(limit / 8, at::kInt).flip(0)}));
+  values.push_back(c10::ivalue::Tuple::create(
+      {at::arange(limit / 8, at::kInt), c10::IValue(), at::arange(limit / 8 + 1, at::kInt)}));
+  for (size_t i = 0; i < values.size(); ++i) {
+    auto sent = a().Send(1, T(22, i), values[i]);
+    auto r = b().Recv(0, T(22, i));
+    ASSERT_TRUE(r->Wait(kWait).ok()) << i;
+    ASSERT_TRUE(sent->Wait(kWait).ok()) << i;
+    if (values[i].isTensor()) {
+      EXPECT_TRUE(Same(r->Value().toTensor(), values[i].toTensor())) << i;
+      continue;
+    }
+    auto got = r->Value().toTupleRef().elements();
+    auto want = values[i].toTupleRef().elements();
+    ASSERT_EQ(got.size(), 3u);
+    EXPECT_TRUE(Same(got[0].toTensor(), want[0].toTensor())) << i;
+    EXPECT_EQ(got[1].isNone(), want[1].isNone()) << i;
+    EXPECT_TRUE(Same(got[2].toTensor(), want[2].toTensor())) << i;
+  }
+}
+
 TEST_P(TransportSuite, EveryDtypeTheRuntimeSends_RoundTrips) {
   std::vector<c10::ScalarType> types = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kLong,
                                         at::kInt,   at::kShort,  at::kChar, at::kByte,     at::kBool};
@@ -198,6 +227,61 @@ TEST_P(TransportSuite, EveryDtypeTheRuntimeSends_RoundTrips) {
     EXPECT_EQ(r->Value().toTensor().scalar_type(), types[i]);
     EXPECT_TRUE(Same(r->Value().toTensor(), x)) << c10::toString(types[i]);
   }
+}
+
+// The wire format on its own: both layouts, and what a receiver refuses.
+at::Tensor Alloc(const std::vector<int64_t>& sizes, c10::ScalarType dtype) {
+  return at::empty(sizes, at::TensorOptions().dtype(dtype));
+}
+
+TEST(WireFormat, SeparateAndInlinePayload_RoundTrip) {
+  c10::IValue v = c10::ivalue::Tuple::create({at::arange(6, at::kFloat).view({2, 3}), int64_t{3}, c10::IValue(),
+                                              std::string("x"), at::ones({2}, at::kLong)});
+  std::string header;
+  std::vector<at::Tensor> sent;
+  ASSERT_TRUE(wire::EncodeHeader(v, &header, &sent).ok());
+  ASSERT_EQ(sent.size(), 2u);
+  // Separate: the header describes, the tensors come empty.
+  std::vector<at::Tensor> got;
+  bool inline_payload = true;
+  auto d = wire::DecodeHeader(header.data(), header.size(), Alloc, &got, &inline_payload);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_FALSE(inline_payload);
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(got[0].sizes(), sent[0].sizes());
+  // Inline: the same value, bytes included.
+  wire::AppendInlinePayload(sent, &header);
+  got.clear();
+  d = wire::DecodeHeader(header.data(), header.size(), Alloc, &got, &inline_payload);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_TRUE(inline_payload);
+  auto elems = d->toTupleRef().elements();
+  EXPECT_TRUE(elems[0].toTensor().equal(sent[0]));
+  EXPECT_EQ(elems[1].toInt(), 3);
+  EXPECT_TRUE(elems[2].isNone());
+  EXPECT_EQ(elems[3].toStringRef(), "x");
+  EXPECT_TRUE(elems[4].toTensor().equal(sent[1]));
+}
+
+TEST(WireFormat, MalformedMessages_DataLossNamingTheProblem) {
+  std::string header;
+  std::vector<at::Tensor> sent, got;
+  ASSERT_TRUE(wire::EncodeHeader(at::ones({4}), &header, &sent).ok());
+  wire::AppendInlinePayload(sent, &header);
+  bool inline_payload = false;
+  // Short of bytes, bytes to spare, an inline message where only headers are expected
+  // (NCCL), and something that is not a pippy message at all.
+  auto short_of = wire::DecodeHeader(header.data(), header.size() - 1, Alloc, &got, &inline_payload);
+  EXPECT_EQ(short_of.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(short_of.status().message(), HasSubstr("fewer payload bytes"));
+  std::string longer = header + "z";
+  auto spare = wire::DecodeHeader(longer.data(), longer.size(), Alloc, &got, &inline_payload);
+  EXPECT_THAT(spare.status().message(), HasSubstr("more payload bytes"));
+  EXPECT_EQ(wire::DecodeHeader(header.data(), header.size(), Alloc, &got).status().code(),
+            absl::StatusCode::kDataLoss);
+  std::string junk = "GET / HTTP/1.1";
+  auto j = wire::DecodeHeader(junk.data(), junk.size(), Alloc, &got, &inline_payload);
+  EXPECT_THAT(j.status().message(), HasSubstr("not a pippy message"));
 }
 
 std::vector<std::unique_ptr<Transport>> Ucx(int n, const char* tls) {
@@ -229,6 +313,39 @@ std::vector<std::unique_ptr<Transport>> Nccl(int n) {
     if (!t) return {};
   }
   return out;
+}
+
+// Messages that arrive before their receive is posted complete at once inside UCX
+// (no request, no callback): nothing may stay behind — no leaked operation holding the
+// received tensors (which also keeps the receive-buffer pool from reusing them).
+TEST(UcxTransport, EarlyArrivals_LeaveNothingInFlight) {
+  for (const char* tls : {"sm,self", "tcp,self"}) {
+    auto g = Ucx(2, tls);
+    ASSERT_EQ(g.size(), 2u);
+    auto* a = static_cast<ucx::UcxTransport*>(g[0].get());
+    auto* b = static_cast<ucx::UcxTransport*>(g[1].get());
+    const std::vector<int64_t> sizes = {0, 64, 16 << 10, 64 << 10, 1 << 20};
+    std::vector<std::shared_ptr<Work>> sends;
+    for (int round = 0; round < 3; ++round) {
+      for (size_t i = 0; i < sizes.size(); ++i) {
+        sends.push_back(a->Send(1, T(30 + round, i), at::full({sizes[i] / 4}, static_cast<float>(i), at::kFloat)));
+      }
+    }
+    // Let everything that can arrive unasked arrive (the eager ones) before receiving.
+    absl::SleepFor(absl::Milliseconds(200));
+    for (int round = 0; round < 3; ++round) {
+      for (size_t i = 0; i < sizes.size(); ++i) {
+        auto r = b->Recv(0, T(30 + round, i));
+        ASSERT_TRUE(r->Wait(absl::Seconds(10)).ok()) << tls << " " << sizes[i];
+        at::Tensor got = r->Value().toTensor();
+        ASSERT_EQ(got.numel(), sizes[i] / 4);
+        if (got.numel() > 0) EXPECT_EQ(got[got.numel() - 1].item<float>(), static_cast<float>(i));
+      }
+    }
+    for (auto& s : sends) ASSERT_TRUE(s->Wait(absl::Seconds(10)).ok()) << tls;
+    EXPECT_EQ(a->operations_in_flight(), 0u) << tls;
+    EXPECT_EQ(b->operations_in_flight(), 0u) << tls;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -124,14 +124,35 @@ absl::Status EncodeHeader(const c10::IValue& value, std::string* header, std::ve
   return Encode(value, header, tensors);
 }
 
+void AppendInlinePayload(const std::vector<at::Tensor>& tensors, std::string* header) {
+  std::memcpy(header->data(), &kMagicInline, sizeof(kMagicInline));
+  for (const at::Tensor& t : tensors) {
+    header->append(static_cast<const char*>(t.data_ptr()), static_cast<size_t>(t.numel()) * t.element_size());
+  }
+}
+
 absl::StatusOr<c10::IValue> DecodeHeader(const char* data, size_t size, const Allocator& alloc,
-                                         std::vector<at::Tensor>* tensors) {
+                                         std::vector<at::Tensor>* tensors, bool* inline_payload) {
   Reader r{data, data + size};
   uint32_t magic = 0;
   c10::IValue value;
-  if (!r.Get(&magic) || magic != kMagic || !Decode(&r, &value, tensors, alloc)) {
+  const size_t first = tensors->size();
+  const bool ok_magic = r.Get(&magic) && (magic == kMagic || (magic == kMagicInline && inline_payload != nullptr));
+  if (!ok_magic || !Decode(&r, &value, tensors, alloc)) {
     return absl::DataLossError("malformed message header (not a pippy message, or a corrupted one)");
   }
+  if (inline_payload != nullptr) *inline_payload = magic == kMagicInline;
+  if (magic != kMagicInline) return value;
+  for (size_t i = first; i < tensors->size(); ++i) {
+    at::Tensor& t = (*tensors)[i];
+    const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+    if (static_cast<size_t>(r.end - r.p) < bytes) {
+      return absl::DataLossError("malformed inline message: fewer payload bytes than its header describes");
+    }
+    if (bytes > 0) std::memcpy(t.data_ptr(), r.p, bytes);
+    r.p += bytes;
+  }
+  if (r.p != r.end) return absl::DataLossError("malformed inline message: more payload bytes than its header describes");
   return value;
 }
 

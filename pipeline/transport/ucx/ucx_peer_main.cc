@@ -10,6 +10,7 @@
 //             repeats for every round until rank 0 sends None
 #include <unistd.h>
 
+#include <deque>
 #include <iostream>
 #include <string>
 
@@ -64,10 +65,18 @@ int main(int argc, char** argv) {
       auto first = (*t)->Recv(0, t0);  // the round's size and count: (iters) then data
       if (!first->Wait(absl::Seconds(120)).ok() || first->Value().isNone()) return 0;
       const int64_t n = first->Value().toInt();
+      // Keeps 16 receives posted, as ucx_perftest's receiver does.
+      std::deque<std::shared_ptr<Work>> window;
       for (int64_t i = 1; i <= n; ++i) {
         Tag ti = t0;
         ti.microbatch = static_cast<uint32_t>(i % 4096);
-        if (!(*t)->Recv(0, ti)->Wait(absl::Seconds(120)).ok()) return 1;
+        window.push_back((*t)->Recv(0, ti));
+        if (window.size() >= 16 || i == n) {
+          while (!window.empty() && (window.size() >= 16 || i == n)) {
+            if (!window.front()->Wait(absl::Seconds(120)).ok()) return 1;
+            window.pop_front();
+          }
+        }
       }
       (*t)->Send(0, t0, c10::IValue(int64_t{1}))->Wait(absl::Seconds(120)).IgnoreError();
     }

@@ -1,5 +1,6 @@
 #include "pipeline/transport/ucx/ucx_transport.h"
 
+#include <poll.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <ucp/api/ucp.h>
@@ -25,9 +26,14 @@ namespace pippy::transport::ucx {
 namespace {
 
 using wire::kMaxHeader;
-// How long a waiting caller drives UCX itself before blocking: long enough to carry a
-// multi-MiB transfer without a thread hand-off, short enough not to hog a core.
-constexpr int kDriveMicros = 2000;
+// A waiting caller drives UCX itself for as long as the transfer moves, and blocks once
+// UCX has had nothing to do for this long (the peer is computing, not sending): a
+// multi-MiB transfer is carried without a thread hand-off, an idle wait does not hog a
+// core.
+constexpr int kIdleDriveMicros = 1000;
+// While callers drive, the background thread only checks this often whether they
+// still do.
+constexpr int kStandAsideMillis = 1;
 
 // UCX tag: [sender rank 8][part 1][kind 3][step 12][mb 12][src stage 8][dst stage 8][index 12].
 uint64_t UcxTag(int sender, int part, const Tag& t) {
@@ -54,12 +60,17 @@ class Op : public CompletionWork, public std::enable_shared_from_this<Op> {
 
   // Progress-thread state.
   Impl* owner_;
-  std::string header;
+  std::string header;                    // send: the header (and an inline payload)
+  std::unique_ptr<char[]> recv_header;   // receive: kMaxHeader bytes, uninitialised
   std::vector<at::Tensor> tensors;
   std::vector<ucp_dt_iov_t> iov;
   c10::IValue pending_value;
   std::set<void*> requests;  // outstanding UCX requests
   bool payload_posted = false;
+  struct Post {
+    bool completed = false;  // the callback ran inside ucp_tag_recv_nbx
+  };
+  Post* posting = nullptr;  // set while a receive of this op is being posted
 };
 
 struct EpErrorArg {
@@ -185,11 +196,18 @@ class Impl : public UcxTransport {
       op->Finish(enc.ok() ? absl::InvalidArgumentError("value structure too large for one message") : enc);
       return op;
     }
+    size_t payload = 0;
+    for (const at::Tensor& t : op->tensors) payload += static_cast<size_t>(t.numel()) * t.element_size();
+    if (payload > 0 && payload <= wire::kMaxInlinePayload && op->header.size() + payload <= kMaxHeader) {
+      // Small: one message, header and bytes together (wire_format.h).
+      wire::AppendInlinePayload(op->tensors, &op->header);
+      op->tensors.clear();
+    }
     for (const at::Tensor& t : op->tensors) {
       size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
       if (bytes > 0) op->iov.push_back({t.data_ptr(), bytes});
     }
-    WithWorker([this, op] { StartSend(op); });
+    WithWorker([this, op] { StartSend(op); }, /*wake=*/[op] { return !op->IsCompleted(); });
     return op;
   }
 
@@ -199,8 +217,14 @@ class Impl : public UcxTransport {
       op->Finish(absl::InvalidArgumentError(absl::StrCat("no rank ", peer, " (world size ", n_, ")")));
       return op;
     }
-    WithWorker([this, op] { StartRecv(op); });
+    // An armed worker's event fd wakes the progress thread when the message arrives.
+    WithWorker([this, op] { StartRecv(op); }, /*wake=*/[] { return false; });
     return op;
+  }
+
+  size_t operations_in_flight() override {
+    absl::MutexLock lock(&worker_mu_);
+    return live_.size();
   }
 
   void CancelOp(const std::shared_ptr<Op>& op) {
@@ -219,13 +243,14 @@ class Impl : public UcxTransport {
 
  private:
   // Runs `fn` with the worker lock held (UCX calls and the state below), then makes
-  // sure someone keeps progressing: a sleeping progress thread is woken.
-  void WithWorker(const std::function<void()>& fn) {
+  // sure someone keeps progressing: unless a caller drives the worker in Wait(), a
+  // sleeping progress thread is woken if `wake` says the operation still needs it.
+  void WithWorker(const std::function<void()>& fn, const std::function<bool()>& wake = [] { return true; }) {
     {
       absl::MutexLock lock(&worker_mu_);
       fn();
     }
-    Wake();
+    if (driving_.load() == 0 && wake()) Wake();
   }
 
   void Wake() {
@@ -238,13 +263,18 @@ class Impl : public UcxTransport {
  public:
   std::atomic<int> driving_{0};  // callers currently progressing the worker in Wait()
 
-  // Progresses the worker if no other thread is doing it. Returns whether it did.
-  bool TryProgress() {
-    if (!worker_mu_.TryLock()) return false;
-    for (int i = 0; i < 64 && ucp_worker_progress(worker_) != 0; ++i) {
+  // Progresses the worker if no other thread is doing it. Returns the number of UCX
+  // events handled, or -1 when another thread holds the worker.
+  int TryProgress() {
+    if (!worker_mu_.TryLock()) return -1;
+    int events = 0;
+    for (int i = 0; i < 64; ++i) {
+      const unsigned n = ucp_worker_progress(worker_);
+      if (n == 0) break;
+      events += static_cast<int>(n);
     }
     worker_mu_.Unlock();
-    return true;
+    return events;
   }
 
  private:
@@ -256,6 +286,14 @@ class Impl : public UcxTransport {
   void ProgressLoop() {
     auto last_activity = std::chrono::steady_clock::now();
     while (!stop_.load()) {
+      if (driving_.load() > 0) {
+        // A waiting caller drives the worker: a second poller (or being woken by the
+        // event fd for every message) only steals its CPU. Stand aside until the
+        // callers stop; one that blocks before its operation is done wakes us.
+        StandAside();
+        last_activity = std::chrono::steady_clock::now();
+        continue;
+      }
       bool work = false;
       {
         absl::MutexLock lock(&worker_mu_);
@@ -263,10 +301,7 @@ class Impl : public UcxTransport {
       }
       auto now = std::chrono::steady_clock::now();
       if (work) last_activity = now;
-      // A waiting caller drives progress itself; on few cores a second poller only
-      // steals its CPU, so stand aside until the callers stop.
-      const bool callers_driving = driving_.load() > 0;
-      if (!callers_driving && now - last_activity < std::chrono::microseconds(100)) {
+      if (driving_.load() == 0 && now - last_activity < std::chrono::microseconds(100)) {
         std::this_thread::yield();
         continue;
       }
@@ -286,6 +321,19 @@ class Impl : public UcxTransport {
       }
       last_activity = std::chrono::steady_clock::now();
     }
+  }
+
+  // Sleeps on the wake fd alone (not the worker's event fd) for a moment.
+  void StandAside() {
+    sleeping_.store(true);
+    if (driving_.load() > 0 && !stop_.load()) {
+      pollfd p{wake_fd_, POLLIN, 0};
+      if (poll(&p, 1, kStandAsideMillis) > 0) {
+        uint64_t v;
+        (void)!read(wake_fd_, &v, sizeof(v));
+      }
+    }
+    sleeping_.store(false);
   }
 
   ucp_request_param_t Params(Op* op, bool iov) {
@@ -396,14 +444,25 @@ class Impl : public UcxTransport {
     }
     pending_by_peer_[op->peer()][op.get()] = op;
     live_[op.get()] = op;
-    op->header.resize(kMaxHeader);
-    ucp_request_param_t p = Params(op.get(), false);
-    // Always complete through the callback, which reports the received length.
+    op->recv_header.reset(new char[kMaxHeader]);
+    PostRecv(op, 0, op->recv_header.get(), kMaxHeader, false);
+  }
+
+  // Posts the receive of one part of op's message. Completion always goes through
+  // OnRecvDone, which gets the received length (UCX 1.13 leaves recv_info unset when
+  // a receive completes at once). For a message that is already here, UCX calls it
+  // inside ucp_tag_recv_nbx and then returns the (by then freed) request: `post`
+  // records that, so the request is not tracked.
+  void PostRecv(const std::shared_ptr<Op>& op, int part, void* buf, size_t count, bool iov) {
+    ucp_request_param_t p = Params(op.get(), iov);
     p.op_attr_mask |= UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
     p.cb.recv = &Impl::OnRecvDone;
-    ucs_status_ptr_t req = ucp_tag_recv_nbx(worker_, op->header.data(), op->header.size(),
-                                            UcxTag(op->peer(), 0, op->tag()), ~uint64_t{0}, &p);
-    Track(op, req, "receive from");
+    Op::Post post;
+    Op::Post* outer = op->posting;  // the header's post, when its callback posts the payload
+    op->posting = &post;
+    ucs_status_ptr_t req = ucp_tag_recv_nbx(worker_, buf, count, UcxTag(op->peer(), part, op->tag()), ~uint64_t{0}, &p);
+    op->posting = outer;
+    if (!post.completed) Track(op, req, "receive from");
   }
 
   static void OnRecvDone(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user_data) {
@@ -412,34 +471,52 @@ class Impl : public UcxTransport {
     std::shared_ptr<Op> op = self->Find(raw);
     ucp_request_free(request);
     if (op == nullptr) return;
+    if (op->posting != nullptr) op->posting->completed = true;
     op->requests.erase(request);
-    if (status != UCS_OK) {
-      op->Finish(self->PeerStatus(raw, status, "receive from"));
-      self->Retire(op);
-      return;
-    }
-    if (!op->payload_posted) {
-      self->OnHeader(op, info->length);
-    } else {
-      op->Finish(absl::OkStatus(), op->pending_value);
-      self->Retire(op);
-    }
+    self->OnReceived(op, status, status == UCS_OK ? info->length : 0);
   }
 
-  void OnHeader(const std::shared_ptr<Op>& op, size_t length) {
-    auto decoded = wire::DecodeHeader(
-        op->header.data(), length,
-        [this](const std::vector<int64_t>& sizes, c10::ScalarType dtype) { return AllocateReceive(sizes, dtype); },
-        &op->tensors);
-    c10::IValue value = decoded.ok() ? *decoded : c10::IValue();
-    if (!decoded.ok()) {
-      op->Finish(absl::DataLossError(absl::StrCat("rank ", rank_, ": malformed message header from rank ",
-                                                  op->peer(), " (", op->tag().ToString(), ")")));
+  void OnReceived(const std::shared_ptr<Op>& op, ucs_status_t status, size_t length) {
+    if (status != UCS_OK) {
+      op->Finish(PeerStatus(op.get(), status, "receive from"));
       Retire(op);
       return;
     }
-    op->header.clear();
-    op->header.shrink_to_fit();
+    if (!op->payload_posted) {
+      OnHeader(op, length);
+      return;
+    }
+    size_t expected = 0;
+    for (const ucp_dt_iov_t& v : op->iov) expected += v.length;
+    if (length != expected) {
+      op->Finish(absl::DataLossError(absl::StrCat("rank ", rank_, ": rank ", op->peer(), " sent ", length,
+                                                  " payload bytes where its header described ", expected, " (",
+                                                  op->tag().ToString(), ")")));
+    } else {
+      op->Finish(absl::OkStatus(), op->pending_value);
+    }
+    Retire(op);
+  }
+
+  void OnHeader(const std::shared_ptr<Op>& op, size_t length) {
+    bool inline_payload = false;
+    auto decoded = wire::DecodeHeader(
+        op->recv_header.get(), length,
+        [this](const std::vector<int64_t>& sizes, c10::ScalarType dtype) { return AllocateReceive(sizes, dtype); },
+        &op->tensors, &inline_payload);
+    c10::IValue value = decoded.ok() ? *decoded : c10::IValue();
+    if (!decoded.ok()) {
+      op->Finish(absl::DataLossError(absl::StrCat("rank ", rank_, ": malformed message from rank ", op->peer(), " (",
+                                                  op->tag().ToString(), "): ", decoded.status().message())));
+      Retire(op);
+      return;
+    }
+    op->recv_header.reset();
+    if (inline_payload) {
+      op->Finish(absl::OkStatus(), value);
+      Retire(op);
+      return;
+    }
     op->pending_value = value;
     for (const at::Tensor& t : op->tensors) {
       size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
@@ -452,13 +529,9 @@ class Impl : public UcxTransport {
     }
     op->payload_posted = true;
     const bool single = op->iov.size() == 1;
-    ucp_request_param_t p = Params(op.get(), !single);
-    p.op_attr_mask |= UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
-    p.cb.recv = &Impl::OnRecvDone;
     void* buf = single ? op->iov[0].buffer : static_cast<void*>(op->iov.data());
     size_t count = single ? op->iov[0].length : op->iov.size();
-    ucs_status_ptr_t req = ucp_tag_recv_nbx(worker_, buf, count, UcxTag(op->peer(), 1, op->tag()), ~uint64_t{0}, &p);
-    Track(op, req, "receive from");
+    PostRecv(op, 1, buf, count, !single);
   }
 
   // Receive buffers: a fresh 64 MiB tensor costs page faults (~2 GB/s), so buffers
@@ -474,7 +547,7 @@ class Impl : public UcxTransport {
       if (buf.storage().use_count() == 1) return buf.view(dtype).view(sizes);
     }
     at::Tensor buf = at::empty({nbytes}, at::kByte);
-    if (bucket.size() < 4 && pool_bytes_ + nbytes <= (int64_t{2} << 30)) {
+    if (bucket.size() < 32 && pool_bytes_ + nbytes <= (int64_t{2} << 30)) {
       bucket.push_back(buf);
       pool_bytes_ += nbytes;
     }
@@ -555,15 +628,23 @@ class Impl : public UcxTransport {
 };
 
 absl::Status Op::Wait(absl::Duration timeout) {
-  // Drive UCX from this thread for a while (as ucx_perftest does): no thread hand-off
-  // on the critical path. Then block; the progress thread carries on.
-  const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(kDriveMicros);
+  // Drive UCX from this thread while the transfer moves (as ucx_perftest does): no
+  // thread hand-off on the critical path. Then block; the progress thread carries on.
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + absl::ToChronoNanoseconds(std::min(timeout, absl::Hours(24)));
+  auto last_event = start;
   owner_->driving_.fetch_add(1);
-  while (!IsCompleted() && std::chrono::steady_clock::now() < spin_until) {
-    if (!owner_->TryProgress()) std::this_thread::yield();
+  while (!IsCompleted()) {
+    const int events = owner_->TryProgress();
+    const auto now = std::chrono::steady_clock::now();
+    if (events > 0) last_event = now;
+    if (events < 0) std::this_thread::yield();  // another caller drives
+    if (now - last_event > std::chrono::microseconds(kIdleDriveMicros) || now >= deadline) break;
   }
   owner_->driving_.fetch_sub(1);
-  return CompletionWork::Wait(timeout);
+  if (IsCompleted()) return CompletionWork::Wait(timeout);
+  owner_->Wake();  // about to block: the progress thread takes over
+  return WaitRest(timeout - absl::FromChrono(std::chrono::steady_clock::now() - start), timeout);
 }
 
 void Op::Cancel() {

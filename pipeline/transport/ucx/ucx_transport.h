@@ -55,6 +55,10 @@ class UcxTransport : public Transport {
   // waits until each peer has connected back (a hello from every rank), so failures
   // are detected from then on. Errors: DEADLINE_EXCEEDED naming the missing ranks.
   virtual absl::Status Connect(const std::vector<std::string>& addresses) = 0;
+
+  // Operations whose buffers UCX still holds (diagnostics and tests): 0 once every
+  // posted Send and Recv has completed.
+  virtual size_t operations_in_flight() = 0;
 };
 
 // Creates `n` connected transports in this process (tests and benchmarks).
