@@ -31,9 +31,19 @@ using wire::kMaxHeader;
 // multi-MiB transfer is carried without a thread hand-off, an idle wait does not hog a
 // core.
 constexpr int kIdleDriveMicros = 1000;
-// While callers drive, the background thread only checks this often whether they
-// still do.
-constexpr int kStandAsideMillis = 1;
+// After a caller stops driving, the background thread leaves the worker to the
+// callers for this long unless summoned: an application between two waits (posting
+// its next operations) is neither raced for the worker nor preempted by a thread that
+// its event fd woke. A caller that blocks, or a send that needs progress while nobody
+// waits, summons the thread at once.
+constexpr int64_t kCallerGraceNanos = 2'000'000;
+// While callers drive, the background thread checks this often whether they still do.
+constexpr int64_t kStandAsideNanos = 1'000'000;
+
+int64_t SteadyNanos() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 // UCX tag: [sender rank 8][part 1][kind 3][step 12][mb 12][src stage 8][dst stage 8][index 12].
 uint64_t UcxTag(int sender, int part, const Tag& t) {
@@ -250,7 +260,13 @@ class Impl : public UcxTransport {
       absl::MutexLock lock(&worker_mu_);
       fn();
     }
-    if (driving_.load() == 0 && wake()) Wake();
+    if (driving_.load() == 0 && wake()) Summon();
+  }
+
+  // Makes the background thread take the worker over now.
+  void Summon() {
+    takeover_.store(true);
+    Wake();
   }
 
   void Wake() {
@@ -262,17 +278,15 @@ class Impl : public UcxTransport {
 
  public:
   std::atomic<int> driving_{0};  // callers currently progressing the worker in Wait()
+  std::atomic<int64_t> last_drive_end_{0};  // SteadyNanos() when a caller last stopped driving
+  std::atomic<bool> takeover_{false};       // the background thread is needed now
 
-  // Progresses the worker if no other thread is doing it. Returns the number of UCX
-  // events handled, or -1 when another thread holds the worker.
+  // Progresses the worker once if no other thread is doing it (the caller checks its
+  // operation after each round: no extra poll of the sockets before it notices).
+  // Returns the number of UCX events handled, or -1 when another thread holds the worker.
   int TryProgress() {
     if (!worker_mu_.TryLock()) return -1;
-    int events = 0;
-    for (int i = 0; i < 64; ++i) {
-      const unsigned n = ucp_worker_progress(worker_);
-      if (n == 0) break;
-      events += static_cast<int>(n);
-    }
+    const int events = static_cast<int>(ucp_worker_progress(worker_));
     worker_mu_.Unlock();
     return events;
   }
@@ -286,14 +300,23 @@ class Impl : public UcxTransport {
   void ProgressLoop() {
     auto last_activity = std::chrono::steady_clock::now();
     while (!stop_.load()) {
+      const int64_t grace_left = last_drive_end_.load() + kCallerGraceNanos - SteadyNanos();
       if (driving_.load() > 0) {
-        // A waiting caller drives the worker: a second poller (or being woken by the
-        // event fd for every message) only steals its CPU. Stand aside until the
-        // callers stop; one that blocks before its operation is done wakes us.
-        StandAside();
+        // Callers drive the worker: a second poller (or being woken by the event fd
+        // for every message) only steals their CPU. A caller that stops driving before
+        // its operation is done summons this thread again.
+        takeover_.store(false);
+        StandAside(kStandAsideNanos);
         last_activity = std::chrono::steady_clock::now();
         continue;
       }
+      if (grace_left > 0 && !takeover_.load()) {
+        // Callers drove it a moment ago and are likely to again.
+        StandAside(std::min(grace_left, kStandAsideNanos));
+        last_activity = std::chrono::steady_clock::now();
+        continue;
+      }
+      takeover_.store(false);
       bool work = false;
       {
         absl::MutexLock lock(&worker_mu_);
@@ -323,12 +346,13 @@ class Impl : public UcxTransport {
     }
   }
 
-  // Sleeps on the wake fd alone (not the worker's event fd) for a moment.
-  void StandAside() {
+  // Sleeps on the wake fd alone (not the worker's event fd) for up to `nanos`.
+  void StandAside(int64_t nanos) {
     sleeping_.store(true);
-    if (driving_.load() > 0 && !stop_.load()) {
+    if (!stop_.load() && !takeover_.load()) {
       pollfd p{wake_fd_, POLLIN, 0};
-      if (poll(&p, 1, kStandAsideMillis) > 0) {
+      timespec ts{static_cast<time_t>(nanos / 1'000'000'000), static_cast<long>(nanos % 1'000'000'000)};
+      if (ppoll(&p, 1, &ts, nullptr) > 0) {
         uint64_t v;
         (void)!read(wake_fd_, &v, sizeof(v));
       }
@@ -641,9 +665,10 @@ absl::Status Op::Wait(absl::Duration timeout) {
     if (events < 0) std::this_thread::yield();  // another caller drives
     if (now - last_event > std::chrono::microseconds(kIdleDriveMicros) || now >= deadline) break;
   }
+  owner_->last_drive_end_.store(SteadyNanos());
   owner_->driving_.fetch_sub(1);
   if (IsCompleted()) return CompletionWork::Wait(timeout);
-  owner_->Wake();  // about to block: the progress thread takes over
+  owner_->Summon();  // about to block: the progress thread takes over
   return WaitRest(timeout - absl::FromChrono(std::chrono::steady_clock::now() - start), timeout);
 }
 
