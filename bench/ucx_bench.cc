@@ -194,7 +194,8 @@ double Min(const std::vector<double>& v) { return *std::min_element(v.begin(), v
 }  // namespace
 
 // Flags: --tls sm,self|tcp,self (repeatable; default both), --sizes 1048576,4194304,...
-// (default 1 KiB .. 64 MiB), --reps N (default 5), --pin 0|1 (default 1). Each size
+// (default 1 KiB .. 64 MiB), --reps N (default 5), --pin 0|1 (default 1), --verbose 1
+// (every run). Each size
 // is measured N times, alternating pippy and ucx_perftest, so that the machine's drift
 // hits both alike. The table shows the best run of each side (interference on a shared
 // 2-core VM only ever slows a run down) and, for bandwidth, also the ratio of medians.
@@ -203,7 +204,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> sizes = {1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20};
   std::vector<std::string> transports;
   int reps = 5;
-  bool pin = true;
+  bool pin = true, verbose = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
     if (k == "--tls") {
@@ -211,12 +212,14 @@ int main(int argc, char** argv) {
     } else if (k == "--sizes") {
       sizes.clear();
       for (absl::string_view f : absl::StrSplit(v, ',', absl::SkipEmpty())) sizes.push_back(std::atoll(std::string(f).c_str()));
+    } else if (k == "--verbose") {
+      verbose = v != "0" && v != "false";
     } else if (k == "--pin") {
       pin = v != "0" && v != "false";
     } else if (k == "--reps") {
       reps = std::max(1, std::atoi(v.c_str()));
     } else {
-      std::fprintf(stderr, "ucx_bench: unknown flag %s (flags: --tls, --sizes, --reps, --pin)\n", k.c_str());
+      std::fprintf(stderr, "ucx_bench: unknown flag %s (flags: --tls, --sizes, --reps, --pin, --verbose)\n", k.c_str());
       return 2;
     }
   }
@@ -249,6 +252,12 @@ int main(int argc, char** argv) {
         pbw.push_back(Perftest("tag_bw", bytes, tls, port++, true).second);
         plat.push_back(Perftest("tag_lat", bytes, tls, port++, true).first);
         raw.push_back(Perftest("tag_bw", bytes, tls, port++, false).second);
+      }
+      if (verbose) {
+        for (int rep = 0; rep < reps; ++rep) {
+          std::printf("  run %d: pippy %.0f MB/s %.2f us | perftest %.0f MB/s %.2f us | no-EH %.0f MB/s\n", rep, bw[rep],
+                      lat[rep], pbw[rep], plat[rep], raw[rep]);
+        }
       }
       const double b = Max(bw), l = Min(lat), pb = Max(pbw), pl = Min(plat), r = Max(raw);
       const double median_ratio = Median(pbw) > 0 ? 100 * Median(bw) / Median(pbw) : 0.0;
