@@ -1,5 +1,7 @@
 // The shared transport suite: every backend is instantiated here (loopback today;
 // the process backends add their factories).
+#include <time.h>
+
 #include <thread>
 
 #include "ATen/ATen.h"
@@ -345,6 +347,30 @@ TEST(UcxTransport, EarlyArrivals_LeaveNothingInFlight) {
     for (auto& s : sends) ASSERT_TRUE(s->Wait(absl::Seconds(10)).ok()) << tls;
     EXPECT_EQ(a->operations_in_flight(), 0u) << tls;
     EXPECT_EQ(b->operations_in_flight(), 0u) << tls;
+  }
+}
+
+// Waiting costs no core: a transport with nothing to do sleeps on its event fd, and a
+// Wait for a message that never comes drives UCX for a moment, then blocks. (A spin
+// anywhere would burn ~100% of a core per thread over the 1.2 s measured here.)
+double ProcessCpuSeconds() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+TEST(UcxTransport, IdleAndBlockedWaits_DoNotSpin) {
+  for (const char* tls : {"sm,self", "tcp,self"}) {
+    auto g = Ucx(2, tls);
+    ASSERT_EQ(g.size(), 2u);
+    g[0]->Send(1, T(40), at::ones({1 << 20}));
+    ASSERT_TRUE(g[1]->Recv(0, T(40))->Wait(absl::Seconds(10)).ok());
+    const double before = ProcessCpuSeconds();
+    absl::SleepFor(absl::Milliseconds(600));
+    absl::Status s = g[1]->Recv(0, T(41))->Wait(absl::Milliseconds(600));
+    const double used = ProcessCpuSeconds() - before;
+    EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << tls;
+    EXPECT_LT(used, 0.15) << tls << ": " << used << " s of CPU in 1.2 s of idleness";
   }
 }
 
