@@ -162,7 +162,7 @@ std::pair<double, double> Perftest(const std::string& test, int64_t bytes, const
                                              : "-u UCX_MM_ERROR_HANDLING",
                                  " UCX_TLS=", tls, tls.find("tcp") != std::string::npos ? " UCX_NET_DEVICES=lo" : "");
   auto pin = [](int cpu) { return cpu < 0 ? std::string() : absl::StrCat(" -c ", cpu); };
-  int n = test == "tag_lat" ? std::min(2000, Iterations(bytes)) : Iterations(bytes);
+  int n = test.find("lat") != std::string::npos ? std::min(2000, Iterations(bytes)) : Iterations(bytes);
   std::string common = absl::StrCat(" -p ", port, " -t ", test, " -s ", bytes, " -n ", n, " -w ", std::max(5, n / 10),
                                     peer_errors ? " -e" : "");
   std::string server = absl::StrCat("env ", env, " timeout 120 ucx_perftest", common, pin(g_recv_cpu), " > /dev/null 2>&1 &");
@@ -195,7 +195,8 @@ double Min(const std::vector<double>& v) { return *std::min_element(v.begin(), v
 
 // Flags: --tls sm,self|tcp,self (repeatable; default both), --sizes 1048576,4194304,...
 // (default 1 KiB .. 64 MiB), --reps N (default 5), --pin 0|1 (default 1), --verbose 1
-// (every run). Each size
+// (every run), --api 1 (instead: UCP's tag API vs its active messages, both measured
+// by ucx_perftest, the choice pippy's transport made). Each size
 // is measured N times, alternating pippy and ucx_perftest, so that the machine's drift
 // hits both alike. The table shows the best run of each side (interference on a shared
 // 2-core VM only ever slows a run down) and, for bandwidth, also the ratio of medians.
@@ -204,7 +205,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> sizes = {1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20};
   std::vector<std::string> transports;
   int reps = 5;
-  bool pin = true, verbose = false;
+  bool pin = true, verbose = false, api = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
     if (k == "--tls") {
@@ -212,6 +213,8 @@ int main(int argc, char** argv) {
     } else if (k == "--sizes") {
       sizes.clear();
       for (absl::string_view f : absl::StrSplit(v, ',', absl::SkipEmpty())) sizes.push_back(std::atoll(std::string(f).c_str()));
+    } else if (k == "--api") {
+      api = v != "0" && v != "false";
     } else if (k == "--verbose") {
       verbose = v != "0" && v != "false";
     } else if (k == "--pin") {
@@ -219,7 +222,7 @@ int main(int argc, char** argv) {
     } else if (k == "--reps") {
       reps = std::max(1, std::atoi(v.c_str()));
     } else {
-      std::fprintf(stderr, "ucx_bench: unknown flag %s (flags: --tls, --sizes, --reps, --pin, --verbose)\n", k.c_str());
+      std::fprintf(stderr, "ucx_bench: unknown flag %s (flags: --tls, --sizes, --reps, --pin, --verbose, --api)\n", k.c_str());
       return 2;
     }
   }
@@ -230,6 +233,26 @@ int main(int argc, char** argv) {
     Pin(0, g_send_cpu);
   }
   int port = 14100 + getpid() % 500;
+  if (api) {
+    std::printf("UCP tag matching (tag_bw, tag_lat) vs active messages (ucp_am_bw, ucp_am_lat), both by ucx_perftest -e\n");
+    for (const std::string& tls : transports) {
+      std::printf("\nUCX_TLS=%s\n%10s | %10s %10s %7s | %8s %8s\n", tls.c_str(), "bytes", "tag MB/s", "AM MB/s", "AM/tag",
+                  "tag us", "AM us");
+      for (int64_t bytes : sizes) {
+        std::vector<double> tb, ab, tl, al;
+        for (int rep = 0; rep < reps; ++rep) {
+          tb.push_back(Perftest("tag_bw", bytes, tls, port++, true).second);
+          ab.push_back(Perftest("ucp_am_bw", bytes, tls, port++, true).second);
+          tl.push_back(Perftest("tag_lat", bytes, tls, port++, true).first);
+          al.push_back(Perftest("ucp_am_lat", bytes, tls, port++, true).first);
+        }
+        std::printf("%10lld | %10.0f %10.0f %6.0f%% | %8.2f %8.2f\n", static_cast<long long>(bytes), Max(tb), Max(ab),
+                    Max(tb) > 0 ? 100 * Max(ab) / Max(tb) : 0.0, Min(tl), Min(al));
+        std::fflush(stdout);
+      }
+    }
+    return 0;
+  }
   std::printf("pippy UCX transport vs ucx_perftest (two processes, same UCX_TLS, same sizes; best of %d "
               "alternating runs each; %s)\n", reps,
               g_send_cpu < 0 ? "unpinned" : "sender pinned to CPU 0, receiver to CPU 1, both tools alike");

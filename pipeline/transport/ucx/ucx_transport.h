@@ -4,17 +4,21 @@
 // Wire format (docs/wire_protocol.md): each Send is two UCX tag messages with the
 // same 64-bit UCX tag but for one "part" bit — an eager header that describes the
 // value (structure, dtype and shape of each tensor, non-tensor leaves inline), then
-// one IOV message with every tensor's bytes, sent straight from the tensors' storage
-// (non-contiguous tensors are made contiguous once) and received straight into
-// freshly allocated tensors. No round trip is added for known or changed shapes.
-// The UCX tag carries the sender's rank, so Recv(peer, tag) matches only `peer`.
+// one message with every tensor's bytes (contiguous for one tensor, IOV for several),
+// sent straight from the tensors' storage (non-contiguous tensors are made contiguous
+// once) and received straight into freshly allocated (or reused) tensors. Values with
+// at most 16 KiB of tensor bytes travel as one message, header and bytes together. No
+// round trip is added for known or changed shapes. The UCX tag carries the sender's
+// rank, so Recv(peer, tag) matches only `peer`.
 // Limits: 256 ranks; Tag.index < 4096; steps are taken modulo 4096.
 //
-// Threads: every UCX call happens under one worker mutex. Send, Recv and Cancel make
-// their UCX calls directly; a thread in Wait() drives UCX itself for a while (no thread
-// hand-off on the critical path) before blocking. A background progress thread keeps
-// UCX moving when nobody waits and sleeps on the worker's event fd (ucp_worker_arm)
-// when idle, so an idle transport costs no CPU.
+// Threads (docs/threading.md): every method may be called from any thread; every UCX
+// call happens under one worker mutex. Send, Recv and Cancel make their UCX calls
+// directly; a thread in Wait() drives UCX itself while the transfer moves (no thread
+// hand-off on the critical path) and blocks once UCX has been idle for 1 ms. A
+// background progress thread keeps UCX moving when nobody waits; it stands aside while
+// callers drive and for 2 ms after, and sleeps on the worker's event fd
+// (ucp_worker_arm) when idle, so an idle transport costs no CPU.
 //
 // Failure: endpoints use UCP_ERR_HANDLING_MODE_PEER with a keepalive (default 200 ms,
 // UCX_KEEPALIVE_INTERVAL overrides), and shared-memory transports get
