@@ -1,6 +1,7 @@
 // pippy's UCX transport vs ucx_perftest, two processes, same UCX transport, same sizes,
-// in the same run. Bandwidth: a stream of messages with 16 in flight (ucx_perftest
-// tag_bw); latency: half a ping-pong round trip (ucx_perftest tag_lat). pippy's figures
+// in the same run. Bandwidth: a stream of messages with 16 sends in flight and 16
+// receives posted, each into its own tensor (ucx_perftest tag_bw receives every message
+// into one buffer); latency: half a ping-pong round trip (ucx_perftest tag_lat). pippy's figures
 // include what its messages carry on top of UCX: the header with dtype/shape/structure,
 // tag matching on (peer, tag), and allocating (or reusing) the received tensor.
 //
