@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "ATen/Parallel.h"
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "grpcpp/grpcpp.h"
@@ -63,11 +64,7 @@ class Agent {
     CoordinatorMessage m;
     while (stream_->Read(&m)) Handle(m);
     stopping_.store(true);
-    cv_.notify_all();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      cancelled_ = true;
-    }
+    CancelRunningJob();
     heartbeat.join();
     if (job_.joinable()) job_.join();
     grpc::Status s = stream_->Finish();
@@ -106,10 +103,17 @@ class Agent {
       cv_.notify_all();
     } else if (m.has_cancel()) {
       log::Warn("job={} cancelled: {}", m.cancel().job_id(), m.cancel().reason());
-      std::lock_guard<std::mutex> lock(mu_);
-      cancelled_ = true;
-      cv_.notify_all();
+      CancelRunningJob();
     }
+  }
+
+  // Stops the job: a rank waiting for its peers' addresses or mid-step returns
+  // CANCELLED at once (a wait in progress is cancelled), so the worker is free again.
+  void CancelRunningJob() {
+    std::lock_guard<std::mutex> lock(mu_);
+    cancelled_ = true;
+    if (running_ != nullptr) running_->Cancel();
+    cv_.notify_all();
   }
 
   bool Cancelled() {
@@ -196,6 +200,16 @@ class Agent {
     ro.timeout = options_.wait_timeout;
     auto rt = stage::RankRuntime::Create(a.rank(), pipe->plan, mine, *sched, ucx->get(), ro);
     if (!rt.ok()) return rt.status();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (cancelled_) return absl::CancelledError("cancelled");
+      running_ = rt->get();
+    }
+    // Declared after the runtime: forgets it before it is destroyed.
+    absl::Cleanup forget = [this] {
+      std::lock_guard<std::mutex> lock(mu_);
+      running_ = nullptr;
+    };
     std::vector<c10::IValue> outputs;  // inference: the last stage's merged outputs per step
     for (int step = 0; step < spec.steps(); ++step) {
       if (Cancelled()) return absl::CancelledError("cancelled");
@@ -255,6 +269,7 @@ class Agent {
   std::condition_variable cv_;
   std::atomic<bool> stopping_{false};
   bool cancelled_ = false;              // guarded by mu_
+  stage::RankRuntime* running_ = nullptr;  // guarded by mu_: the job's runtime while it runs
   std::vector<std::string> peers_;      // guarded by mu_
   // Read-loop thread only.
   Assignment assignment_;

@@ -158,8 +158,31 @@ std::vector<at::Tensor> RankRuntime::LocalParameters(int stage) const {
   return out;
 }
 
+void RankRuntime::Cancel() {
+  std::shared_ptr<transport::Work> waiting;
+  {
+    absl::MutexLock lock(&cancel_mu_);
+    cancelled_ = true;
+    waiting = waiting_;
+  }
+  if (waiting) waiting->Cancel();
+}
+
 absl::Status RankRuntime::WaitFor(const std::shared_ptr<transport::Work>& work, const std::string& where) {
+  {
+    absl::MutexLock lock(&cancel_mu_);
+    if (cancelled_) {
+      work->Cancel();
+      return absl::CancelledError(absl::StrCat(where, ": the step was cancelled"));
+    }
+    waiting_ = work;
+  }
   absl::Status s = work->Wait(options_.timeout);
+  {
+    absl::MutexLock lock(&cancel_mu_);
+    waiting_.reset();
+    if (!s.ok() && cancelled_) return absl::CancelledError(absl::StrCat(where, ": the step was cancelled"));
+  }
   if (s.ok()) return s;
   return absl::Status(s.code(), absl::StrCat(where, ": ", s.message()));
 }
@@ -181,6 +204,10 @@ absl::StatusOr<StepResult> RankRuntime::InferenceStep(int step, const std::vecto
 
 absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10::IValue>& inputs,
                                                 const c10::IValue& target, bool training) {
+  {
+    absl::MutexLock lock(&cancel_mu_);
+    if (cancelled_) return absl::CancelledError(absl::StrCat("rank ", rank_, ": step ", step, " was cancelled"));
+  }
   auto start = std::chrono::steady_clock::now();
   StepState st;
   st.step = step;

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "pipeline/schedule/schedule.h"
 #include "pipeline/stage/microbatch.h"
@@ -75,6 +76,11 @@ class RankRuntime {
   // on the rank holding the last stage.
   absl::StatusOr<StepResult> InferenceStep(int step, const std::vector<c10::IValue>& inputs);
 
+  // Ends the step in progress and every later one with CANCELLED: the wait in progress
+  // (if any) returns at once, compute already running finishes first. The only method
+  // that may be called from another thread while a step runs (a daemon's cancel).
+  void Cancel();
+
   // The stage modules this rank holds (their parameters are trained in place).
   const std::map<int, torch::jit::Module>& stages() const { return stages_; }
 
@@ -110,6 +116,10 @@ class RankRuntime {
   std::map<int, std::vector<std::pair<at::Tensor, int>>> tied_params_;
   // consumers_[s][j]: (consumer stage, its input index) for output j of stage s.
   std::vector<std::vector<std::vector<std::pair<int, int>>>> consumers_;
+  // Cancel(): set from any thread; the operation the step thread waits on.
+  absl::Mutex cancel_mu_;
+  bool cancelled_ ABSL_GUARDED_BY(cancel_mu_) = false;
+  std::shared_ptr<transport::Work> waiting_ ABSL_GUARDED_BY(cancel_mu_);
 };
 
 }  // namespace pippy::stage

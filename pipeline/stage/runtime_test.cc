@@ -361,6 +361,37 @@ TEST_F(RuntimeBehaviourTest, PeerNeverRuns_TimeoutSaysWhereRankStood) {
   EXPECT_THAT(res.status().message(), HasSubstr("rank 1 (gradient step=0 mb=0 stage 1->0"));
 }
 
+// A daemon's cancel: the rank is stuck waiting for a peer that never sends; Cancel()
+// from another thread ends the step with CANCELLED long before the 60 s wait
+// timeout, naming where the rank stood, and every later step is refused.
+TEST_F(RuntimeBehaviourTest, CancelFromAnotherThread_EndsTheWaitingStep) {
+  Load("mlp");
+  auto pipe = partition::SplitModel(model_, [] { partition::SplitOptions o; o.num_stages = 2; return o; }());
+  schedule::ScheduleOptions so;
+  so.num_ranks = 2;
+  so.num_microbatches = 4;
+  auto sched = schedule::MakeSchedule(ScheduleKind::k1F1B, so);
+  auto transports = transport::loopback::Create(2);
+  RuntimeOptions ro;
+  ro.timeout = absl::Seconds(60);
+  auto rt = RankRuntime::Create(0, pipe->plan, {{0, pipe->stages[0]}}, *sched, transports[0].get(), ro);
+  ASSERT_TRUE(rt.ok()) << rt.status();
+  std::thread canceller([&] {
+    absl::SleepFor(absl::Milliseconds(300));
+    (*rt)->Cancel();
+  });
+  const absl::Time start = absl::Now();
+  auto res = (*rt)->TrainStep(0, inputs_, target_);  // rank 1 never starts
+  const absl::Duration took = absl::Now() - start;
+  canceller.join();
+  EXPECT_EQ(res.status().code(), absl::StatusCode::kCancelled) << res.status();
+  EXPECT_THAT(res.status().message(), HasSubstr("(0RECV_B0)"));
+  EXPECT_THAT(res.status().message(), HasSubstr("cancelled"));
+  EXPECT_LT(took, absl::Seconds(30)) << "the wait ran to its timeout instead of being cancelled";
+  auto next = (*rt)->TrainStep(1, inputs_, target_);
+  EXPECT_EQ(next.status().code(), absl::StatusCode::kCancelled);
+}
+
 TEST_F(RuntimeBehaviourTest, BatchNotDivisible_ClearError) {
   Load("mlp");
   auto pipe = partition::SplitModel(model_, [] { partition::SplitOptions o; o.num_stages = 2; return o; }());

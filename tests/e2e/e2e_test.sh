@@ -116,6 +116,27 @@ else
 fi
 ctl list > /dev/null && ok "coordinator still serving after bad input" || bad "coordinator still serving after bad input"
 
+# Cancel mid-step: the job ends CANCELLED at once; its ranks stop (the wait in
+# progress is cancelled) and report, so all 4 workers are idle again well within
+# their 30 s wait timeout.
+job=$(ctl submit "$ZOO/gpt.pt" --data "$TMP/gpt.data.pt" --microbatches 8 --batch-size 8 --steps 100000 --loss model \
+      --optimizer sgd --lr 0.001 --stages 4 --schedule 1f1b)
+for _ in $(seq 200); do
+  step=$(ctl status "$job" --output json | /usr/bin/python3 -c "import json,sys; print(json.load(sys.stdin).get('step', 0))")
+  [ "${step:-0}" -ge 2 ] && break
+  sleep 0.1
+done
+start=$(date +%s%N)
+ctl cancel "$job" > "$TMP/cancel.out" 2>&1
+state=$(ctl status "$job" --output json | /usr/bin/python3 -c "import json,sys; j=json.load(sys.stdin); print(j['state'], j.get('reason',''))")
+for _ in $(seq 150); do [ "$(idle_workers)" = 4 ] && break; sleep 0.1; done
+elapsed=$(( ($(date +%s%N) - start) / 1000000 ))
+if [[ "$state" == CANCELLED* ]] && [ "$(idle_workers)" = 4 ]; then
+  ok "cancelled job: $state; all 4 workers idle again after ${elapsed}ms"
+else
+  bad "cancel: state '$state', $(idle_workers) workers idle after ${elapsed}ms"; cat "$TMP/cancel.out"
+fi
+
 # A worker killed mid-job: the job FAILS naming it, the others return to idle, the next job runs.
 job=$(ctl submit "$ZOO/gpt.pt" --data "$TMP/gpt.data.pt" --microbatches 8 --batch-size 8 --steps 100000 --loss model \
       --optimizer sgd --lr 0.001 --stages 4 --schedule 1f1b)
