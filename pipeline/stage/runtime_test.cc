@@ -264,9 +264,25 @@ class RuntimeBehaviourTest : public ::testing::Test {
     inputs_ = *partition::LoadExampleInputs(Zoo(name + ".input.pt"), model_);
     target_ = *partition::LoadTorchSaved(Zoo(name + ".target.pt"));
   }
+  // Rank 0 of the MLP split in two with 1F1B (m = 4) over loopback; rank 1 never runs.
+  std::unique_ptr<RankRuntime> LoneRank0(absl::Duration timeout) {
+    Load("mlp");
+    auto pipe = partition::SplitModel(model_, [] { partition::SplitOptions o; o.num_stages = 2; return o; }());
+    schedule::ScheduleOptions so;
+    so.num_ranks = 2;
+    so.num_microbatches = 4;
+    auto sched = schedule::MakeSchedule(ScheduleKind::k1F1B, so);
+    transports_ = transport::loopback::Create(2);
+    RuntimeOptions ro;
+    ro.timeout = timeout;
+    auto rt = RankRuntime::Create(0, pipe->plan, {{0, pipe->stages[0]}}, *sched, transports_[0].get(), ro);
+    EXPECT_TRUE(rt.ok()) << rt.status();
+    return rt.ok() ? std::move(*rt) : nullptr;
+  }
   torch::jit::Module model_;
   std::vector<c10::IValue> inputs_;
   c10::IValue target_;
+  std::vector<std::unique_ptr<transport::Transport>> transports_;
 };
 
 TEST_F(RuntimeBehaviourTest, ForwardOnly_EqualsUnsplitForward) {
@@ -343,18 +359,9 @@ TEST_F(RuntimeBehaviourTest, MissingRecv_RejectedBeforeRunningWithGrid) {
 }
 
 TEST_F(RuntimeBehaviourTest, PeerNeverRuns_TimeoutSaysWhereRankStood) {
-  Load("mlp");
-  auto pipe = partition::SplitModel(model_, [] { partition::SplitOptions o; o.num_stages = 2; return o; }());
-  schedule::ScheduleOptions so;
-  so.num_ranks = 2;
-  so.num_microbatches = 4;
-  auto sched = schedule::MakeSchedule(ScheduleKind::k1F1B, so);
-  auto transports = transport::loopback::Create(2);
-  RuntimeOptions ro;
-  ro.timeout = absl::Milliseconds(200);
-  auto rt = RankRuntime::Create(0, pipe->plan, {{0, pipe->stages[0]}}, *sched, transports[0].get(), ro);
-  ASSERT_TRUE(rt.ok()) << rt.status();
-  auto res = (*rt)->TrainStep(0, inputs_, target_);  // rank 1 never starts
+  auto rt = LoneRank0(absl::Milliseconds(200));
+  ASSERT_NE(rt, nullptr);
+  auto res = rt->TrainStep(0, inputs_, target_);  // rank 1 never starts
   EXPECT_EQ(res.status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_THAT(res.status().message(), HasSubstr("rank 0 step 0 action #"));
   EXPECT_THAT(res.status().message(), HasSubstr("(0RECV_B0)"));
@@ -365,30 +372,21 @@ TEST_F(RuntimeBehaviourTest, PeerNeverRuns_TimeoutSaysWhereRankStood) {
 // from another thread ends the step with CANCELLED long before the 60 s wait
 // timeout, naming where the rank stood, and every later step is refused.
 TEST_F(RuntimeBehaviourTest, CancelFromAnotherThread_EndsTheWaitingStep) {
-  Load("mlp");
-  auto pipe = partition::SplitModel(model_, [] { partition::SplitOptions o; o.num_stages = 2; return o; }());
-  schedule::ScheduleOptions so;
-  so.num_ranks = 2;
-  so.num_microbatches = 4;
-  auto sched = schedule::MakeSchedule(ScheduleKind::k1F1B, so);
-  auto transports = transport::loopback::Create(2);
-  RuntimeOptions ro;
-  ro.timeout = absl::Seconds(60);
-  auto rt = RankRuntime::Create(0, pipe->plan, {{0, pipe->stages[0]}}, *sched, transports[0].get(), ro);
-  ASSERT_TRUE(rt.ok()) << rt.status();
+  auto rt = LoneRank0(absl::Seconds(60));
+  ASSERT_NE(rt, nullptr);
   std::thread canceller([&] {
     absl::SleepFor(absl::Milliseconds(300));
-    (*rt)->Cancel();
+    rt->Cancel();
   });
   const absl::Time start = absl::Now();
-  auto res = (*rt)->TrainStep(0, inputs_, target_);  // rank 1 never starts
+  auto res = rt->TrainStep(0, inputs_, target_);  // rank 1 never starts
   const absl::Duration took = absl::Now() - start;
   canceller.join();
   EXPECT_EQ(res.status().code(), absl::StatusCode::kCancelled) << res.status();
   EXPECT_THAT(res.status().message(), HasSubstr("(0RECV_B0)"));
   EXPECT_THAT(res.status().message(), HasSubstr("cancelled"));
   EXPECT_LT(took, absl::Seconds(30)) << "the wait ran to its timeout instead of being cancelled";
-  auto next = (*rt)->TrainStep(1, inputs_, target_);
+  auto next = rt->TrainStep(1, inputs_, target_);
   EXPECT_EQ(next.status().code(), absl::StatusCode::kCancelled);
 }
 

@@ -116,16 +116,24 @@ else
 fi
 ctl list > /dev/null && ok "coordinator still serving after bad input" || bad "coordinator still serving after bad input"
 
+# Long jobs for the failure checks: submit, then wait until step N has been reported.
+long_job() {  # STAGES -> job id
+  ctl submit "$ZOO/gpt.pt" --data "$TMP/gpt.data.pt" --microbatches 8 --batch-size 8 --steps 100000 --loss model \
+    --optimizer sgd --lr 0.001 --stages "$1" --schedule 1f1b
+}
+wait_for_step() {  # N (for $job)
+  for _ in $(seq 200); do
+    step=$(ctl status "$job" --output json | /usr/bin/python3 -c "import json,sys; print(json.load(sys.stdin).get('step', 0))")
+    [ "${step:-0}" -ge "$1" ] && break
+    sleep 0.1
+  done
+}
+
 # Cancel mid-step: the job ends CANCELLED at once; its ranks stop (the wait in
 # progress is cancelled) and report, so all 4 workers are idle again well within
 # their 30 s wait timeout.
-job=$(ctl submit "$ZOO/gpt.pt" --data "$TMP/gpt.data.pt" --microbatches 8 --batch-size 8 --steps 100000 --loss model \
-      --optimizer sgd --lr 0.001 --stages 4 --schedule 1f1b)
-for _ in $(seq 200); do
-  step=$(ctl status "$job" --output json | /usr/bin/python3 -c "import json,sys; print(json.load(sys.stdin).get('step', 0))")
-  [ "${step:-0}" -ge 2 ] && break
-  sleep 0.1
-done
+job=$(long_job 4)
+wait_for_step 2
 start=$(date +%s%N)
 ctl cancel "$job" > "$TMP/cancel.out" 2>&1
 state=$(ctl status "$job" --output json | /usr/bin/python3 -c "import json,sys; j=json.load(sys.stdin); print(j['state'], j.get('reason',''))")
@@ -138,13 +146,8 @@ else
 fi
 
 # A worker killed mid-job: the job FAILS naming it, the others return to idle, the next job runs.
-job=$(ctl submit "$ZOO/gpt.pt" --data "$TMP/gpt.data.pt" --microbatches 8 --batch-size 8 --steps 100000 --loss model \
-      --optimizer sgd --lr 0.001 --stages 4 --schedule 1f1b)
-for _ in $(seq 200); do
-  step=$(ctl status "$job" --output json | /usr/bin/python3 -c "import json,sys; print(json.load(sys.stdin).get('step', 0))")
-  [ "${step:-0}" -ge 2 ] && break
-  sleep 0.1
-done
+job=$(long_job 4)
+wait_for_step 2
 start=$(date +%s%N)
 kill -9 "${worker_pid[w2]}"
 ctl watch "$job" > "$TMP/killed.out" 2>&1
@@ -157,13 +160,8 @@ train_and_check next_job_after_failure --stages 2 --schedule 1f1b
 
 # A worker that stops sending heartbeats (frozen with SIGSTOP; its stream stays open)
 # fails its job once the heartbeat timeout (3 s) passes.
-job=$(ctl submit "$ZOO/gpt.pt" --data "$TMP/gpt.data.pt" --microbatches 8 --batch-size 8 --steps 100000 --loss model \
-      --optimizer sgd --lr 0.001 --stages 2 --schedule 1f1b)
-for _ in $(seq 200); do
-  step=$(ctl status "$job" --output json | /usr/bin/python3 -c "import json,sys; print(json.load(sys.stdin).get('step', 0))")
-  [ "${step:-0}" -ge 2 ] && break
-  sleep 0.1
-done
+job=$(long_job 2)
+wait_for_step 2
 busy=$(ctl workers --output json | /usr/bin/python3 -c \
   "import json,sys; print(next(w['name'] for w in json.load(sys.stdin)['workers'] if w.get('job_id')=='$job'))")
 kill -STOP "${worker_pid[$busy]}"
