@@ -36,6 +36,24 @@ using namespace pippy::transport;
 
 double Now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
+// Processes this bench started, for the SIGINT/SIGTERM handler: a bench stopped by
+// hand must not leave a spinning ucx_perftest or peer behind to skew the next run.
+volatile pid_t g_children[8] = {-1, -1, -1, -1, -1, -1, -1, -1};
+void Track(pid_t pid, bool add) {
+  for (auto& slot : g_children) {
+    if (add ? slot == -1 : slot == pid) {
+      slot = add ? pid : -1;
+      return;
+    }
+  }
+}
+void OnStop(int sig) {
+  for (pid_t pid : g_children) {
+    if (pid > 0) kill(pid, SIGTERM);
+  }
+  _exit(128 + sig);
+}
+
 struct Child {
   pid_t pid = -1;
   FILE* to = nullptr;
@@ -44,6 +62,7 @@ struct Child {
     if (pid > 0) {
       kill(pid, SIGKILL);
       waitpid(pid, nullptr, 0);
+      Track(pid, false);
     }
   }
 };
@@ -76,6 +95,7 @@ void Spawn(Child* c, const std::vector<std::string>& args) {
   for (const auto& a : full) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
   posix_spawn(&c->pid, argv[0], &fa, nullptr, argv.data(), environ);
+  Track(c->pid, true);
   posix_spawn_file_actions_destroy(&fa);
   close(to_child[0]);
   close(from_child[1]);
@@ -166,8 +186,12 @@ std::pair<double, double> Perftest(const std::string& test, int64_t bytes, const
   int n = test.find("lat") != std::string::npos ? std::min(2000, Iterations(bytes)) : Iterations(bytes);
   std::string common = absl::StrCat(" -p ", port, " -t ", test, " -s ", bytes, " -n ", n, " -w ", std::max(5, n / 10),
                                     peer_errors ? " -e" : "");
-  std::string server = absl::StrCat("env ", env, " timeout 120 ucx_perftest", common, pin(g_recv_cpu), " > /dev/null 2>&1 &");
-  (void)!system(server.c_str());
+  std::string server = absl::StrCat("exec env ", env, " timeout 120 ucx_perftest", common, pin(g_recv_cpu),
+                                    " > /dev/null 2>&1");
+  const char* sh[] = {"/bin/sh", "-c", server.c_str(), nullptr};
+  pid_t server_pid = -1;
+  posix_spawn(&server_pid, sh[0], nullptr, nullptr, const_cast<char**>(sh), environ);
+  Track(server_pid, true);
   usleep(300000);
   std::string client = absl::StrCat("env ", env, " timeout 120 ucx_perftest localhost", common, pin(g_send_cpu), " 2>/dev/null");
   FILE* p = popen(client.c_str(), "r");
@@ -181,6 +205,13 @@ std::pair<double, double> Perftest(const std::string& test, int64_t bytes, const
     if (f.size() >= 7) out = {std::atof(f[3].c_str()), std::atof(f[5].c_str())};
   }
   if (p) pclose(p);
+  // The server ends with the test; one that does not (a failed client) is stopped.
+  for (int i = 0; i < 40 && waitpid(server_pid, nullptr, WNOHANG) == 0; ++i) usleep(50000);
+  if (kill(server_pid, 0) == 0) {
+    kill(server_pid, SIGTERM);
+    waitpid(server_pid, nullptr, 0);
+  }
+  Track(server_pid, false);
   return out;
 }
 
@@ -202,6 +233,8 @@ double Min(const std::vector<double>& v) { return *std::min_element(v.begin(), v
 // hits both alike. The table shows the best run of each side (interference on a shared
 // 2-core VM only ever slows a run down) and, for bandwidth, also the ratio of medians.
 int main(int argc, char** argv) {
+  signal(SIGINT, OnStop);
+  signal(SIGTERM, OnStop);
   const std::string peer = "pipeline/transport/ucx/ucx_peer";
   std::vector<int64_t> sizes = {1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20};
   std::vector<std::string> transports;
