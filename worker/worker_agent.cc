@@ -102,6 +102,10 @@ class Agent {
       peers_.assign(m.peers().ucx_addresses().begin(), m.peers().ucx_addresses().end());
       cv_.notify_all();
     } else if (m.has_cancel()) {
+      if (m.cancel().job_id() != assignment_.job_id()) {
+        log::Info("job={} cancel ignored: this worker runs job={}", m.cancel().job_id(), assignment_.job_id());
+        return;
+      }
       log::Warn("job={} cancelled: {}", m.cancel().job_id(), m.cancel().reason());
       CancelRunningJob();
     }
