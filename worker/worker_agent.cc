@@ -136,7 +136,11 @@ class Agent {
 
   void RunJob(Assignment a, std::string model_bytes, std::string data_bytes) {
     absl::Status s = RunRank(a, model_bytes, data_bytes);
-    if (!s.ok()) log::Error("job={} rank={} failed: {}", a.job_id(), a.rank(), std::string(s.message()));
+    if (absl::IsCancelled(s)) {
+      log::Info("job={} rank={} stopped: {}", a.job_id(), a.rank(), std::string(s.message()));
+    } else if (!s.ok()) {
+      log::Error("job={} rank={} failed: {}", a.job_id(), a.rank(), std::string(s.message()));
+    }
     Finished(a, s);
   }
 

@@ -237,8 +237,10 @@ absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10:
   for (size_t pos = 0; pos < actions.size(); ++pos) {
     absl::Status s = Execute(st, pos, actions[pos]);
     if (!s.ok()) {
-      log::Error("rank={} step={} action #{} ({}) failed: {}", rank_, step, pos, actions[pos].ToString(),
-                 std::string(s.message()));
+      if (!absl::IsCancelled(s)) {
+        log::Error("rank={} step={} action #{} ({}) failed: {}", rank_, step, pos, actions[pos].ToString(),
+                   std::string(s.message()));
+      }
       for (auto& [w, d] : st.pending_sends) w->Cancel();
       return s;
     }
