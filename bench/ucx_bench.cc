@@ -23,9 +23,9 @@
 #include <vector>
 
 #include "ATen/ATen.h"
-#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "pipeline/transport/ucx/peer_process.h"
 #include "pipeline/transport/ucx/ucx_transport.h"
 
 extern char** environ;
@@ -54,17 +54,11 @@ void OnStop(int sig) {
   _exit(128 + sig);
 }
 
-struct Child {
-  pid_t pid = -1;
-  FILE* to = nullptr;
-  FILE* from = nullptr;
-  ~Child() {
-    if (pid > 0) {
-      kill(pid, SIGKILL);
-      waitpid(pid, nullptr, 0);
-      Track(pid, false);
-    }
-  }
+// A ucx_peer child, known to the stop handler while it lives.
+struct TrackedPeer {
+  explicit TrackedPeer(const std::vector<std::string>& argv) : peer(argv) { Track(peer.pid(), true); }
+  ~TrackedPeer() { Track(peer.pid(), false); }
+  ucx::PeerProcess peer;
 };
 
 // Pins process `pid` (0: this one, all its threads) to one CPU.
@@ -79,49 +73,11 @@ void Pin(pid_t pid, int cpu) {
 // CPUs for the sender and the receiver: 0 and 1 where there are two, else unpinned.
 int g_send_cpu = -1, g_recv_cpu = -1;
 
-void Spawn(Child* c, const std::vector<std::string>& args) {
-  int to_child[2], from_child[2];
-  (void)!pipe(to_child);
-  (void)!pipe(from_child);
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_adddup2(&fa, to_child[0], 0);
-  posix_spawn_file_actions_adddup2(&fa, from_child[1], 1);
-  posix_spawn_file_actions_addclose(&fa, to_child[1]);
-  posix_spawn_file_actions_addclose(&fa, from_child[0]);
-  std::vector<std::string> full = args;
-  if (g_recv_cpu >= 0) full.insert(full.begin(), {"/usr/bin/taskset", "-c", std::to_string(g_recv_cpu)});
-  std::vector<char*> argv;
-  for (const auto& a : full) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  posix_spawn(&c->pid, argv[0], &fa, nullptr, argv.data(), environ);
-  Track(c->pid, true);
-  posix_spawn_file_actions_destroy(&fa);
-  close(to_child[0]);
-  close(from_child[1]);
-  c->to = fdopen(to_child[1], "w");
-  c->from = fdopen(from_child[0], "r");
-}
-
-std::unique_ptr<ucx::UcxTransport> ConnectTo(Child* c, const std::string& tls) {
-  ucx::Options o;
-  o.ucx_config = {{"TLS", tls}};
-  if (tls.find("tcp") != std::string::npos) o.ucx_config.push_back({"NET_DEVICES", "lo"});
-  auto t = std::move(*ucx::UcxTransport::Create(0, 2, o));
-  char buf[8192];
-  std::string addr;
-  while (fgets(buf, sizeof(buf), c->from)) {
-    std::string line(buf);
-    if (line.rfind("ADDRESS ", 0) == 0) {
-      addr = absl::HexStringToBytes(std::string(absl::StripTrailingAsciiWhitespace(line.substr(8))));
-      break;
-    }
-  }
-  fprintf(c->to, "%s\n", absl::BytesToHexString(t->address()).c_str());
-  fflush(c->to);
-  absl::Status s = t->Connect({t->address(), addr});
-  if (!s.ok()) fprintf(stderr, "connect: %s\n", std::string(s.message()).c_str());
-  return t;
+// ucx_peer in `mode`, pinned to the receiver's CPU when pinning.
+std::vector<std::string> PeerArgs(const std::string& tls, const std::string& mode) {
+  std::vector<std::string> argv = {"pipeline/transport/ucx/ucx_peer", "--tls", tls, "--mode", mode};
+  if (g_recv_cpu >= 0) argv.insert(argv.begin(), {"/usr/bin/taskset", "-c", std::to_string(g_recv_cpu)});
+  return argv;
 }
 
 int Iterations(int64_t bytes) { return static_cast<int>(std::max<int64_t>(20, std::min<int64_t>(20000, (512LL << 20) / bytes))); }
@@ -235,7 +191,6 @@ double Min(const std::vector<double>& v) { return *std::min_element(v.begin(), v
 int main(int argc, char** argv) {
   signal(SIGINT, OnStop);
   signal(SIGTERM, OnStop);
-  const std::string peer = "pipeline/transport/ucx/ucx_peer";
   std::vector<int64_t> sizes = {1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20};
   std::vector<std::string> transports;
   int reps = 5;
@@ -294,18 +249,21 @@ int main(int argc, char** argv) {
     std::printf("\nUCX_TLS=%s%s\n", tls.c_str(), tls.find("tcp") != std::string::npos ? " UCX_NET_DEVICES=lo" : "");
     std::printf("%10s | %10s %10s %7s %8s | %10s %7s | %8s %8s %8s\n", "bytes", "pippy MB/s", "perftest", "ratio",
                 "(median)", "no-EH", "ratio", "pippy us", "perftest", "overhead");
-    Child sink, echo;
-    Spawn(&sink, {peer, "--tls", tls, "--mode", "sink"});
-    auto bw_t = ConnectTo(&sink, tls);
-    Spawn(&echo, {peer, "--tls", tls, "--mode", "echo"});
-    auto lat_t = ConnectTo(&echo, tls);
+    TrackedPeer sink(PeerArgs(tls, "sink")), echo(PeerArgs(tls, "echo"));
+    auto bw_t = sink.peer.Connect(ucx::LocalOptions(tls));
+    auto lat_t = bw_t.ok() ? echo.peer.Connect(ucx::LocalOptions(tls)) : bw_t.status();
+    if (!bw_t.ok() || !lat_t.ok()) {
+      std::fprintf(stderr, "ucx_bench: cannot connect to ucx_peer over %s: %s\n", tls.c_str(),
+                   std::string((bw_t.ok() ? lat_t.status() : bw_t.status()).message()).c_str());
+      return 1;
+    }
     uint32_t counter = 0, round = 0;
     for (int64_t bytes : sizes) {
-      PippyBandwidth(bw_t.get(), bytes, round++);  // warm-up (buffers, connections)
+      PippyBandwidth(bw_t->get(), bytes, round++);  // warm-up (buffers, connections)
       std::vector<double> bw, lat, pbw, plat, raw;
       for (int rep = 0; rep < reps; ++rep) {
-        bw.push_back(PippyBandwidth(bw_t.get(), bytes, round++));
-        lat.push_back(PippyLatency(lat_t.get(), bytes, &counter));
+        bw.push_back(PippyBandwidth(bw_t->get(), bytes, round++));
+        lat.push_back(PippyLatency(lat_t->get(), bytes, &counter));
         pbw.push_back(Perftest("tag_bw", bytes, tls, port++, true).second);
         plat.push_back(Perftest("tag_lat", bytes, tls, port++, true).first);
         raw.push_back(Perftest("tag_bw", bytes, tls, port++, false).second);
@@ -326,7 +284,7 @@ int main(int argc, char** argv) {
     Tag stop;
     stop.kind = Tag::Kind::kActivation;
     stop.step = round;
-    bw_t->Send(1, stop, c10::IValue())->Wait(absl::Seconds(5)).IgnoreError();
+    (*bw_t)->Send(1, stop, c10::IValue())->Wait(absl::Seconds(5)).IgnoreError();
   }
   std::printf(
       "\nperftest: ucx_perftest -e (peer error handling, keepalive 200ms, UCX_MM_ERROR_HANDLING=y: pippy's endpoint\n"

@@ -9,6 +9,7 @@
 #include "gtest/gtest.h"
 #include "pipeline/transport/loopback/loopback_transport.h"
 #include "pipeline/transport/nccl/nccl_transport.h"
+#include "pipeline/transport/ucx/peer_process.h"
 #include "pipeline/transport/ucx/ucx_transport.h"
 #include "pipeline/transport/transport.h"
 #include "pipeline/transport/wire_format.h"
@@ -287,10 +288,7 @@ TEST(WireFormat, MalformedMessages_DataLossNamingTheProblem) {
 }
 
 std::vector<std::unique_ptr<Transport>> Ucx(int n, const char* tls) {
-  ucx::Options o;
-  o.ucx_config = {{"TLS", tls}};
-  if (std::string(tls).find("tcp") != std::string::npos) o.ucx_config.push_back({"NET_DEVICES", "lo"});
-  auto g = ucx::CreateLocalGroup(n, o);
+  auto g = ucx::CreateLocalGroup(n, ucx::LocalOptions(tls));
   EXPECT_TRUE(g.ok()) << g.status();
   return g.ok() ? std::move(*g) : std::vector<std::unique_ptr<Transport>>{};
 }

@@ -17,6 +17,7 @@
 #include "ATen/ATen.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
+#include "pipeline/transport/ucx/peer_process.h"
 #include "pipeline/transport/ucx/ucx_transport.h"
 
 using namespace pippy::transport;
@@ -31,10 +32,7 @@ int main(int argc, char** argv) {
     else if (k == "--bytes") (void)absl::SimpleAtoi(v, &bytes);
     else if (k == "--iters") (void)absl::SimpleAtoi(v, &iters);
   }
-  ucx::Options o;
-  o.ucx_config = {{"TLS", tls}};
-  if (tls.find("tcp") != std::string::npos) o.ucx_config.push_back({"NET_DEVICES", "lo"});
-  auto t = ucx::UcxTransport::Create(1, 2, o);
+  auto t = ucx::UcxTransport::Create(1, 2, ucx::LocalOptions(tls));
   if (!t.ok()) {
     std::cerr << "ucx_peer: " << t.status() << "\n";
     return 1;

@@ -1,98 +1,31 @@
 // UCX between two real processes (this test and ucx_peer): transfer across process
 // boundaries, and a peer killed with SIGKILL mid-transfer — the survivor's pending
 // operations fail with UNAVAILABLE within the deadline instead of hanging.
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <chrono>
-#include <cstdio>
+#include <iostream>
 
 #include "ATen/ATen.h"
-#include "absl/strings/escaping.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "pipeline/transport/ucx/peer_process.h"
 #include "pipeline/transport/ucx/ucx_transport.h"
-
-extern char** environ;
 
 namespace pippy::transport::ucx {
 namespace {
 
 using testing::HasSubstr;
 
-// The child process, stopped by its pid when the test ends.
-class Peer {
- public:
-  Peer(const std::string& tls, const std::string& mode, int64_t bytes = 1 << 20) {
-    int to_child[2], from_child[2];
-    EXPECT_EQ(pipe(to_child), 0);
-    EXPECT_EQ(pipe(from_child), 0);
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_adddup2(&fa, to_child[0], 0);
-    posix_spawn_file_actions_adddup2(&fa, from_child[1], 1);
-    posix_spawn_file_actions_addclose(&fa, to_child[1]);
-    posix_spawn_file_actions_addclose(&fa, from_child[0]);
-    std::string b = std::to_string(bytes);
-    const char* argv[] = {"pipeline/transport/ucx/ucx_peer", "--tls", tls.c_str(), "--mode", mode.c_str(),
-                          "--bytes", b.c_str(), nullptr};
-    EXPECT_EQ(posix_spawn(&pid_, argv[0], &fa, nullptr, const_cast<char**>(argv), environ), 0);
-    posix_spawn_file_actions_destroy(&fa);
-    close(to_child[0]);
-    close(from_child[1]);
-    to_ = fdopen(to_child[1], "w");
-    from_ = fdopen(from_child[0], "r");
-  }
-  ~Peer() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-    if (to_) fclose(to_);
-    if (from_) fclose(from_);
-  }
-  std::string ReadAddress() {
-    char buf[8192];
-    while (fgets(buf, sizeof(buf), from_)) {  // skip anything UCX itself prints
-      std::string line(buf);
-      if (line.rfind("ADDRESS ", 0) != 0) continue;
-      std::string hex = line.substr(8);
-      while (!hex.empty() && (hex.back() == '\n' || hex.back() == '\r')) hex.pop_back();
-      return absl::HexStringToBytes(hex);
-    }
-    return "";
-  }
-  void SendAddress(const std::string& addr) {
-    fprintf(to_, "%s\n", absl::BytesToHexString(addr).c_str());
-    fflush(to_);
-  }
-  void Kill() {
-    kill(pid_, SIGKILL);
-    waitpid(pid_, nullptr, 0);
-    pid_ = -1;
-  }
-
- private:
-  pid_t pid_ = -1;
-  FILE* to_ = nullptr;
-  FILE* from_ = nullptr;
-};
+// The child: ucx_peer in `mode`, stopped by its pid when the test ends.
+std::vector<std::string> PeerArgs(const std::string& tls, const std::string& mode, int64_t bytes = 1 << 20) {
+  return {"pipeline/transport/ucx/ucx_peer", "--tls", tls, "--mode", mode, "--bytes", std::to_string(bytes)};
+}
 
 class UcxProcessTest : public testing::TestWithParam<std::string> {
  protected:
-  std::unique_ptr<UcxTransport> Connect(Peer* peer) {
-    Options o;
-    o.ucx_config = {{"TLS", GetParam()}};
-    if (GetParam().find("tcp") != std::string::npos) o.ucx_config.push_back({"NET_DEVICES", "lo"});
-    auto t = UcxTransport::Create(0, 2, o);
+  std::unique_ptr<UcxTransport> Connect(PeerProcess* peer) {
+    auto t = peer->Connect(LocalOptions(GetParam()));
     EXPECT_TRUE(t.ok()) << t.status();
-    std::string child = peer->ReadAddress();
-    peer->SendAddress((*t)->address());
-    absl::Status s = (*t)->Connect({(*t)->address(), child});
-    EXPECT_TRUE(s.ok()) << s;
-    return std::move(*t);
+    return t.ok() ? std::move(*t) : nullptr;
   }
 };
 
@@ -104,8 +37,9 @@ Tag T(uint32_t mb) {
 }
 
 TEST_P(UcxProcessTest, EchoAcrossProcesses_ValuesComeBackIntact) {
-  Peer peer(GetParam(), "echo");
+  PeerProcess peer(PeerArgs(GetParam(), "echo"));
   auto t = Connect(&peer);
+  ASSERT_NE(t, nullptr);
   std::vector<c10::IValue> values = {at::randn({4, 5}), at::arange(1 << 20, at::kLong), at::ones({0}),
                                      c10::ivalue::Tuple::create({at::randn({3}).t(), c10::IValue(), int64_t{9}}),
                                      at::randn({8, 8}).t()};
@@ -127,8 +61,9 @@ TEST_P(UcxProcessTest, EchoAcrossProcesses_ValuesComeBackIntact) {
 }
 
 TEST_P(UcxProcessTest, PeerKilledMidTransfer_SurvivorFailsWithinDeadline) {
-  Peer peer(GetParam(), "stream", 64 << 20);
+  PeerProcess peer(PeerArgs(GetParam(), "stream", 64 << 20));
   auto t = Connect(&peer);
+  ASSERT_NE(t, nullptr);
   auto first = t->Recv(1, T(0));
   ASSERT_TRUE(first->Wait(absl::Seconds(30)).ok());  // data is flowing
   auto pending = t->Recv(1, T(1));
