@@ -120,11 +120,6 @@ class Agent {
     cv_.notify_all();
   }
 
-  bool Cancelled() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return cancelled_;
-  }
-
   void Finished(const Assignment& a, const absl::Status& s) {
     WorkerMessage f;
     f.mutable_finished()->set_job_id(a.job_id());
@@ -220,7 +215,6 @@ class Agent {
     };
     std::vector<c10::IValue> outputs;  // inference: the last stage's merged outputs per step
     for (int step = 0; step < spec.steps(); ++step) {
-      if (Cancelled()) return absl::CancelledError("cancelled");
       auto res = sched->forward_only ? (*rt)->InferenceStep(step, ds->Inputs(step, spec.batch_size()))
                                      : (*rt)->TrainStep(step, ds->Inputs(step, spec.batch_size()),
                                                         ds->Target(step, spec.batch_size()));
