@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "pipeline/transport/ucx/ucx_transport.h"
 
 namespace pippy::transport::ucx {
@@ -30,6 +31,9 @@ class PeerProcess {
 
   pid_t pid() const { return pid_; }
   void Kill();
+  // Waits up to `timeout` for the child to exit by itself: its exit code, or -1 (still
+  // running, or killed by a signal).
+  int WaitExit(absl::Duration timeout);
 
   // Creates rank 0 of 2 and connects it to the child (rank 1): reads the child's address
   // (skipping whatever UCX prints), sends this one's, then Connect().

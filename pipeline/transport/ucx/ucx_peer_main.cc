@@ -1,11 +1,12 @@
 // A peer process for UCX tests and benchmarks: rank 1 of 2.
 //
-//   ucx_peer --tls TLS --mode echo|stream|pingpong [--bytes N] [--iters N]
+//   ucx_peer --tls TLS --mode echo|stream|burst|sink [--bytes N] [--iters N]
 //
 // Prints "ADDRESS <hex>" (its worker address) on stdout, reads rank 0's from stdin, connects, then:
 //   echo      receives values (tag mb = 0, 1, ...) and sends each back, until a
 //             receive fails (rank 0 gone or a None value: stop)
 //   stream    sends N-byte tensors forever (tag mb = i) — to be killed mid-transfer
+//   burst     sends `iters` messages of `bytes` (mb = 0, 1, ...), then exits at once
 //   sink      receives `iters` messages, then sends one ack (bandwidth benchmark);
 //             repeats for every round until rank 0 sends None
 #include <unistd.h>
@@ -54,6 +55,15 @@ int main(int argc, char** argv) {
       tag.microbatch = i % 4096;
       (*t)->Send(0, tag, x)->Wait(absl::Seconds(60)).IgnoreError();
     }
+  }
+  if (mode == "burst") {
+    // Sends `iters` tensors of `bytes` (filled with their index) and exits as soon as
+    // each send has completed locally — before rank 0 has received them.
+    for (uint32_t i = 0; i < iters; ++i) {
+      tag.microbatch = i % 4096;
+      if (!(*t)->Send(0, tag, at::full({bytes / 4}, static_cast<float>(i)))->Wait(absl::Seconds(60)).ok()) return 1;
+    }
+    return 0;
   }
   if (mode == "sink") {
     for (uint32_t round = 0;; ++round) {

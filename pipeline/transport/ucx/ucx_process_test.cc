@@ -87,6 +87,30 @@ TEST_P(UcxProcessTest, PeerKilledMidTransfer_SurvivorFailsWithinDeadline) {
   EXPECT_EQ(t->Recv(1, T(4))->Wait(absl::Seconds(5)).code(), absl::StatusCode::kUnavailable);
 }
 
+// A peer that sends and exits at once (a pipeline's last rank finishing its step):
+// whatever its completed sends handed to UCX still arrives, and messages that arrived
+// before the peer left are still received after it is gone.
+TEST_P(UcxProcessTest, PeerExitsRightAfterSending_EverythingItSentArrives) {
+  const int n = 400;
+  std::vector<std::string> args = PeerArgs(GetParam(), "burst", 8 << 10);
+  args.insert(args.end(), {"--iters", std::to_string(n)});
+  PeerProcess peer(args);
+  auto t = Connect(&peer);
+  ASSERT_NE(t, nullptr);
+  ASSERT_EQ(peer.WaitExit(absl::Seconds(30)), 0);
+  absl::SleepFor(absl::Milliseconds(500));  // and this side has noticed it is gone
+  for (int i = 0; i < n; ++i) {
+    auto r = t->Recv(1, T(i));
+    absl::Status s = r->Wait(absl::Seconds(10));
+    ASSERT_TRUE(s.ok()) << "message " << i << " of " << n << ": " << s;
+    at::Tensor got = r->Value().toTensor();
+    ASSERT_EQ(got.numel(), 2048);
+    EXPECT_EQ(got[2047].item<float>(), static_cast<float>(i));
+  }
+  // Nothing more is coming from it.
+  EXPECT_EQ(t->Recv(1, T(n))->Wait(absl::Seconds(10)).code(), absl::StatusCode::kUnavailable);
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, UcxProcessTest, testing::Values("sm,self", "tcp,self"),
                          [](const testing::TestParamInfo<std::string>& i) {
                            return i.param.find("tcp") != std::string::npos ? "tcp" : "shm";

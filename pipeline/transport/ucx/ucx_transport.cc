@@ -208,15 +208,16 @@ class Impl : public UcxTransport {
       return op;
     }
     size_t payload = 0;
-    for (const at::Tensor& t : op->tensors) payload += static_cast<size_t>(t.numel()) * t.element_size();
+    for (const at::Tensor& t : op->tensors) {
+      size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+      if (bytes > 0) op->iov.push_back({t.data_ptr(), bytes});
+      payload += bytes;
+    }
     if (payload > 0 && payload <= wire::kMaxInlinePayload && op->header.size() + payload <= kMaxHeader) {
       // Small: one message, header and bytes together (wire_format.h).
       wire::AppendInlinePayload(op->tensors, &op->header);
       op->tensors.clear();
-    }
-    for (const at::Tensor& t : op->tensors) {
-      size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
-      if (bytes > 0) op->iov.push_back({t.data_ptr(), bytes});
+      op->iov.clear();
     }
     WithWorker([this, op] { StartSend(op); }, /*wake=*/[op] { return !op->IsCompleted(); });
     return op;
@@ -301,7 +302,6 @@ class Impl : public UcxTransport {
   void ProgressLoop() {
     auto last_activity = std::chrono::steady_clock::now();
     while (!stop_.load()) {
-      const int64_t grace_left = last_drive_end_.load() + kCallerGraceNanos - SteadyNanos();
       if (driving_.load() > 0) {
         // Callers drive the worker: a second poller (or being woken by the event fd
         // for every message) only steals their CPU. A caller that stops driving before
@@ -311,6 +311,7 @@ class Impl : public UcxTransport {
         last_activity = std::chrono::steady_clock::now();
         continue;
       }
+      const int64_t grace_left = last_drive_end_.load() + kCallerGraceNanos - SteadyNanos();
       if (grace_left > 0 && !takeover_.load()) {
         // Callers drove it a moment ago and are likely to again.
         StandAside(std::min(grace_left, kStandAsideNanos));
@@ -463,10 +464,6 @@ class Impl : public UcxTransport {
 
   void StartRecv(const std::shared_ptr<Op>& op) {
     if (op->IsCompleted()) return;
-    if (dead_[op->peer()]) {
-      op->Finish(DeadPeer(op.get()));
-      return;
-    }
     pending_by_peer_[op->peer()][op.get()] = op;
     live_[op.get()] = op;
     if (spare_headers_.empty()) {
@@ -476,6 +473,9 @@ class Impl : public UcxTransport {
       spare_headers_.pop_back();
     }
     PostRecv(op, 0, op->recv_header.get(), kMaxHeader, false);
+    // A peer that is gone may have left this message here before it went (a last rank
+    // that sent and exited): UCX matched it above if so. Anything else never comes.
+    if (dead_[op->peer()] && !op->IsCompleted()) Abandon(op);
   }
 
   // Posts the receive of one part of op's message. Completion always goes through
@@ -597,11 +597,14 @@ class Impl : public UcxTransport {
     dead_[peer] = true;
     log::Warn("rank={} UCX endpoint to rank {} failed: {}", rank_, peer, UcsError(status));
     auto ops = pending_by_peer_[peer];
-    for (auto& [raw, op] : ops) {
-      op->Finish(DeadPeer(op.get()));
-      std::set<void*> requests = op->requests;
-      for (void* req : requests) ucp_request_cancel(worker_, req);
-    }
+    for (auto& [raw, op] : ops) Abandon(op);
+  }
+
+  // Fails an operation with a peer that is gone and gives its buffers back from UCX.
+  void Abandon(const std::shared_ptr<Op>& op) {
+    op->Finish(DeadPeer(op.get()));
+    std::set<void*> requests = op->requests;  // cancelling may complete (and erase) them
+    for (void* req : requests) ucp_request_cancel(worker_, req);
   }
 
   void Shutdown() {
@@ -616,17 +619,32 @@ class Impl : public UcxTransport {
     for (auto& [raw, op] : live_) {
       op->Finish(absl::UnavailableError(absl::StrCat("rank ", rank_, ": transport shut down")));
     }
-    for (int r = 0; r < n_; ++r) {
-      if (eps_.size() > static_cast<size_t>(r) && eps_[r] != nullptr) {
-        ucp_request_param_t p{};
-        p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-        p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-        ucs_status_ptr_t req = ucp_ep_close_nbx(eps_[r], &p);
-        for (int i = 0; i < 1000 && UCS_PTR_IS_PTR(req) && ucp_request_check_status(req) == UCS_INPROGRESS; ++i) {
-          ucp_worker_progress(worker_);
-        }
-        if (UCS_PTR_IS_PTR(req)) ucp_request_free(req);
+    // A completed Send only means UCX has the bytes (for tcp, maybe still in its send
+    // buffer): endpoints to live peers with nothing pending are flushed first, so that
+    // what was sent arrives (bounded: 2 s for all of them). Then every endpoint is
+    // closed by force — a flush could wait forever on sends the peer will never take,
+    // and UCX aborts when a worker is destroyed under a close still in progress.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    auto progress_until_done = [&](ucs_status_ptr_t req, bool bounded_by_deadline) {
+      for (int i = 0; UCS_PTR_IS_PTR(req) && ucp_request_check_status(req) == UCS_INPROGRESS; ++i) {
+        if (bounded_by_deadline ? std::chrono::steady_clock::now() >= deadline : i >= 1000) break;
+        ucp_worker_progress(worker_);
       }
+    };
+    for (int r = 0; r < n_; ++r) {
+      if (eps_.size() <= static_cast<size_t>(r) || eps_[r] == nullptr) continue;
+      ucp_request_param_t p{};
+      ucs_status_ptr_t flush = nullptr;
+      if (!dead_[r] && pending_by_peer_[r].empty()) {
+        flush = ucp_ep_flush_nbx(eps_[r], &p);
+        progress_until_done(flush, true);
+      }
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      ucs_status_ptr_t close = ucp_ep_close_nbx(eps_[r], &p);
+      progress_until_done(close, false);
+      if (UCS_PTR_IS_PTR(flush)) ucp_request_free(flush);
+      if (UCS_PTR_IS_PTR(close)) ucp_request_free(close);
     }
     live_.clear();
     pending_by_peer_.clear();
