@@ -23,7 +23,10 @@
 // Failure: endpoints use UCP_ERR_HANDLING_MODE_PEER with a keepalive (default 200 ms,
 // UCX_KEEPALIVE_INTERVAL overrides), and shared-memory transports get
 // UCX_MM_ERROR_HANDLING=y; when a peer dies, every pending operation with it fails
-// with UNAVAILABLE naming the peer, and later ones fail at once.
+// with UNAVAILABLE naming the peer, and later ones fail at once — except receives of
+// messages it sent before it went, which still arrive. Destroying a transport flushes
+// its endpoints to live peers first (at most 2 s), so a rank that sends and exits loses
+// nothing it sent.
 //
 // Deployment: UCX_TLS chooses transports (e.g. "sm,self" on one host, "tcp,self"
 // across hosts), UCX_NET_DEVICES the NIC ("lo" for loopback tests).
