@@ -98,7 +98,7 @@ BENCHMARK(BM_PippySplitParams)->Arg(2)->Arg(4)->Arg(8)->Unit(benchmark::kMillise
 void BM_PippySplitFlopsWithExample(benchmark::State& state) {
   SplitOptions opts;
   opts.num_stages = 4;
-  opts.balance = Balance::kFlops;
+  opts.balance = pippy::BALANCE_FLOPS;
   opts.example_inputs = *LoadExampleInputs(kInput, Model());
   for (auto _ : state) {
     auto pipe = SplitModel(Model(), opts);

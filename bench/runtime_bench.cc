@@ -13,11 +13,14 @@
 #include <cstdio>
 #include <thread>
 
+#include "pipeline/job/job_spec.h"
+#include "pipeline/job/rank_job.h"
 #include "pipeline/partition/model_io.h"
 #include "pipeline/partition/partition.h"
 #include "pipeline/schedule/schedule.h"
 #include "pipeline/schedule/simulator.h"
-#include "pipeline/stage/rank_runtime.h"
+#include "pipeline/stage/microbatch.h"
+#include "pipeline/stage/training.h"
 #include "pipeline/transport/loopback/loopback_transport.h"
 #include "ATen/Parallel.h"
 #include "torch/csrc/autograd/autograd.h"
@@ -43,18 +46,28 @@ PipelineFigures RunPipeline(const torch::jit::Module& model, const std::vector<c
   partition::SplitOptions so;
   so.num_stages = p;
   auto pipe = partition::SplitModel(model, so);
-  schedule::ScheduleOptions opts;
-  opts.num_ranks = p;
-  opts.num_microbatches = m;
-  auto sched = schedule::MakeSchedule(kind, opts);
+  // The job as a worker would run it: the spec, job::RankJob, a DataSource whose
+  // batch is the whole example.
+  JobSpec spec;
+  spec.mutable_schedule()->set_kind(*job::ParseSchedule(schedule::ScheduleKindName(kind)));
+  spec.mutable_schedule()->set_microbatches(m);
+  spec.mutable_split()->set_stages(p);
+  spec.set_steps(steps + 3);
+  spec.set_batch_size(static_cast<int>(inputs[0].toTensor().size(0)));
+  spec.set_loss(LOSS_MSE);
+  spec.mutable_optimizer()->set_kind(OPTIMIZER_SGD);
+  spec.mutable_optimizer()->set_lr(1e-4);
+  if (!job::CheckSpec(&spec).ok()) std::abort();
+  std::vector<std::string> names;
+  for (const ModelValue& v : pipe->plan.inputs()) names.push_back(v.name());
+  auto data = *stage::DataSource::FromValues(inputs, target, names);
   auto transports = transport::loopback::Create(p);
-  stage::RuntimeOptions ro;
-  ro.optimizer.lr = 1e-4;
-  std::vector<std::unique_ptr<stage::RankRuntime>> rts;
+  std::vector<std::unique_ptr<job::RankJob>> rts;
   for (int r = 0; r < p; ++r) {
-    rts.push_back(std::move(*stage::RankRuntime::Create(r, pipe->plan, {{r, pipe->stages[r]}}, *sched,
-                                                        transports[r].get(), ro)));
+    rts.push_back(std::move(*job::RankJob::Create(spec, pipe->plan, r, {{r, pipe->stages[r]}}, transports[r].get(),
+                                                   absl::Seconds(60))));
   }
+  const schedule::Schedule* sched = &rts[0]->schedule();
   PipelineFigures f;
   f.peak.assign(p, 0);
   double start = 0;
@@ -63,7 +76,7 @@ PipelineFigures RunPipeline(const torch::jit::Module& model, const std::vector<c
     threads.emplace_back([&, r] {
       for (int s = 0; s < steps + 3; ++s) {
         if (r == 0 && s == 3) start = Now();  // after warm-up steps
-        auto res = rts[r]->TrainStep(s, inputs, target);
+        auto res = rts[r]->RunStep(s, data);
         if (res.ok()) f.peak[r] = std::max(f.peak[r], res->peak_live_activations);
       }
     });
@@ -82,7 +95,7 @@ double ReferencePerMicrobatch(torch::jit::Module& model, const std::vector<c10::
   auto run = [&] {
     for (int i = 0; i < m; ++i) {
       at::Tensor out = model.forward(mbs[i]).toTensor();
-      auto loss = *stage::ComputeLoss(stage::LossKind::kMse, model, out, tgs[i][0]);
+      auto loss = *stage::ComputeLoss(LOSS_MSE, model, out, tgs[i][0]);
       torch::autograd::backward({loss / static_cast<double>(m)});
     }
   };

@@ -27,7 +27,7 @@ expect() {
 expect help 0 "" -- split --help
 expect no-args 2 "" --
 expect unknown-command 2 "unknown command 'splat'" -- splat
-expect unknown-flag 2 "unknown flag '--stagez'" -- split "$ZOO/mlp.pt" --stagez 2
+expect unknown-flag 2 "not expected: 2 --stagez" -- split "$ZOO/mlp.pt" --stagez 2
 expect missing-file 2 "cannot open" -- split "$TMP/nope.pt" --stages 2
 printf 'not a model' > "$TMP/text.pt"
 expect not-torchscript 2 "not a TorchScript archive" -- split "$TMP/text.pt" --stages 2
@@ -38,11 +38,24 @@ expect unknown-split 2 "nearest names: blocks.3.attn" -- split "$ZOO/gpt.pt" --s
 expect illegal-cut 2 "only tensors can be sent" -- split "$ZOO/gpt.pt" --split-at blocks.3.attn.qkv
 expect too-many-stages 2 "cannot make 99 stages" -- split "$ZOO/mlp.pt" --stages 99
 expect interface 2 "module interface" -- split "$ZOO/iface.pt" --stages 2
-expect bad-balance 2 "unknown --balance 'bytes'" -- split "$ZOO/mlp.pt" --stages 2 --balance bytes
-expect bad-stages 2 "wants an integer" -- split "$ZOO/mlp.pt" --stages two
+expect bad-balance 2 "--balance: bytes not in {params,flops,time}" -- split "$ZOO/mlp.pt" --stages 2 --balance bytes
+expect bad-stages 2 "--stages: 'two' is not a number" -- split "$ZOO/mlp.pt" --stages two
+expect zero-stages 2 "--stages: must be > 0" -- split "$ZOO/mlp.pt" --stages 0
+expect bad-output 2 "--output" -- --output yaml split "$ZOO/mlp.pt" --stages 2
+expect submit-needs-schedule 2 "--schedule is required" -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --microbatches 2 --batch-size 8
+expect submit-unknown-loss 2 "--loss: l1 not in {mse,cross_entropy,model}" -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --schedule 1f1b --microbatches 2 --batch-size 8 --loss l1
+expect submit-data-and-synthetic 2 "excludes --synthetic" -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --synthetic "inputs=float32[8,32]" --schedule 1f1b --microbatches 2 --batch-size 8
+# Checked before anything is uploaded: the spec's own fields.
+expect submit-spec-checked-first 2 "batch_size: 6 does not split into 4" -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --schedule 1f1b --stages 2 --microbatches 4 --batch-size 6 --loss mse --optimizer sgd
+expect submit-momentum-adam 2 "only sgd takes momentum" -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --schedule 1f1b --stages 2 --microbatches 2 --batch-size 8 --loss mse --optimizer adam --momentum 0.9
+expect fetch-needs-out 2 "--out is required" -- fetch job-1
+# No coordinator there: exit 3, naming where it looked ($PIPPY_COORDINATOR is the fallback).
+PIPPY_COORDINATOR=127.0.0.1:1 expect unreachable 3 "cannot reach the coordinator at 127.0.0.1:1" -- list
+expect unreachable-flag-after-command 3 "cannot reach the coordinator at 127.0.0.1:1" -- list --coordinator 127.0.0.1:1
 
-# JSON output parses and has the stages asked for.
+# JSON output parses and has the stages asked for (--output before or after the command).
 if "$PIPPYCTL" split "$ZOO/gpt.pt" --stages 4 --output json --example-input "$ZOO/gpt.input.pt" > "$TMP/plan.json" &&
+   "$PIPPYCTL" --output json split "$ZOO/gpt.pt" --stages 4 --example-input "$ZOO/gpt.input.pt" | cmp -s - "$TMP/plan.json" &&
    /usr/bin/python3 -c "import json,sys; p=json.load(open(sys.argv[1])); assert len(p['stages'])==4; assert p['tied'][0]['stages']==[0,3], p['tied']" "$TMP/plan.json"; then
   echo "ok   json"; passed=$((passed + 1))
 else
@@ -54,6 +67,14 @@ if "$PIPPYCTL" split "$ZOO/unet.pt" --stages 3 --out "$TMP/u" > /dev/null &&
   echo "ok   out-dir"; passed=$((passed + 1))
 else
   echo "FAIL out-dir"; failed=$((failed + 1))
+fi
+
+# --list-cuts as a table and as JSON
+if "$PIPPYCTL" split "$ZOO/gpt.pt" --list-cuts --output json |
+   /usr/bin/python3 -c "import json,sys; d=json.load(sys.stdin); assert len(d['cuts']) > 10 and any(c['name']=='blocks.4' for c in d['cuts'])"; then
+  echo "ok   list-cuts-json"; passed=$((passed + 1))
+else
+  echo "FAIL list-cuts-json"; failed=$((failed + 1))
 fi
 
 # pippyctl schedule

@@ -1,48 +1,31 @@
-#include "client/remote_commands.h"
-
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
+// pippyctl's commands that talk to a coordinator: submit, list, status, watch, cancel,
+// fetch, workers. Files travel in 1 MiB chunks in both directions, read from and
+// written to disk as they go: pippyctl's memory does not grow with the model.
 #include <unistd.h>
 
-#include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
-#include <thread>
+#include <memory>
+#include <optional>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "client/args.h"
-#include "client/exit_codes.h"
+#include "client/commands.h"
 #include "client/table.h"
+#include "common/cli.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/grpcpp.h"
-#include "pipeline/partition/model_io.h"
+#include "pipeline/job/job_spec.h"
 #include "proto/coordinator.grpc.pb.h"
-
-extern char** environ;
 
 namespace pippy::cli {
 namespace {
 
-constexpr char kSubmitHelp[] = R"(usage: pippyctl submit MODEL.pt (--data FILE | --synthetic SPEC) (--stages K | --split-at A,B) --schedule NAME
-                        --microbatches M --batch-size B --steps N --loss L --optimizer O --lr X
-                        [--balance params|flops|time] [--stages-per-worker V] [--momentum X]
-                        [--weight-decay X] [--clip-grad-norm X] [--name N] [--wait] [--output table|json]
-
-  --data FILE          torch.save({"inputs": ..., "targets": ...}); step k trains on samples
-                       [k*B, (k+1)*B) of it, wrapping around
-  --synthetic SPEC     or data made by the coordinator, for benchmarks:
-                       "inputs=float32[256,1024];targets=float32[256,1024];seed=0"
-                       (int64[64,16]@64 for integers in [0, 64))
-  --schedule NAME      gpipe | 1f1b | interleaved-1f1b | looped-bfs | zb1p | zbv | inference
-  --loss L             mse | cross_entropy | model (the model's loss(self, output, target))
-  --optimizer O        sgd | adam | adamw
-  --wait               watch until the job ends; exit 0 only if it SUCCEEDED
-Prints the job id (--output json: {"job_id": ...}).
-)";
+constexpr size_t kChunk = 1 << 20;
 
 absl::Status FromGrpc(const grpc::Status& s, const std::string& coordinator) {
   if (s.ok()) return absl::OkStatus();
@@ -61,16 +44,30 @@ std::string Json(const google::protobuf::Message& m) {
   return out;
 }
 
-std::string StateName(JobState s) { return JobState_Name(s); }
-
 bool Terminal(JobState s) { return s == SUCCEEDED || s == FAILED || s == CANCELLED; }
 
+std::unique_ptr<Coordinator::Stub> Connect(const GlobalFlags& g) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  return Coordinator::NewStub(grpc::CreateCustomChannel(g.coordinator, grpc::InsecureChannelCredentials(), args));
+}
+
 void PrintJob(const Job& j) {
-  std::cout << "job " << j.job_id() << ": " << StateName(j.state());
+  std::cout << "job " << j.job_id() << " (" << j.spec().name() << "): " << JobState_Name(j.state());
   if (!j.reason().empty()) std::cout << " — " << j.reason();
-  std::cout << "\n  schedule " << j.spec().schedule().name() << ", " << j.plan().stages_size() << " stages on "
-            << j.workers_size() << " workers, step " << j.step() << "/" << j.spec().steps();
-  if (j.losses_size() > 0) std::cout << ", loss " << j.losses(j.losses_size() - 1);
+  std::cout << "\n  " << job::ModeName(j.spec().mode()) << ", schedule " << job::ScheduleName(j.spec().schedule().kind())
+            << ", " << j.plan().stages_size() << " stages on " << j.workers_size() << " workers, step " << j.step()
+            << "/" << j.spec().steps();
+  if (j.losses_size() > 0) std::cout << ", loss " << absl::StrFormat("%.4f", j.losses(j.losses_size() - 1));
+  if (j.samples_per_second() > 0) {
+    std::cout << absl::StrFormat(", %.0f samples/s, bubble %.0f%%", j.samples_per_second(), 100 * j.bubble_fraction());
+  }
+  std::cout << "\n  model " << HumanBytes(static_cast<double>(j.model_bytes()));
+  if (j.stage_file_bytes_size() > 0) {
+    std::vector<std::string> sizes;
+    for (int64_t b : j.stage_file_bytes()) sizes.push_back(HumanBytes(static_cast<double>(b)));
+    std::cout << "; stage files " << absl::StrJoin(sizes, ", ");
+  }
   std::cout << "\n";
   if (j.losses_size() > 0) {
     std::cout << "  losses:";
@@ -79,8 +76,9 @@ void PrintJob(const Job& j) {
   }
 }
 
-// Follows a job until it ends; returns its final state.
-absl::StatusOr<Job> Watch(Coordinator::Stub* stub, const std::string& job_id, bool json, const std::string& where) {
+// Follows a job until it ends; returns its final record.
+absl::StatusOr<Job> Watch(Coordinator::Stub* stub, const std::string& job_id, const GlobalFlags& g) {
+  const bool json = g.output == "json";
   grpc::ClientContext ctx;
   WatchJobRequest req;
   req.set_job_id(job_id);
@@ -93,282 +91,353 @@ absl::StatusOr<Job> Watch(Coordinator::Stub* stub, const std::string& job_id, bo
     } else {
       int width = 30, done = e.steps() > 0 ? width * e.step() / e.steps() : 0;
       std::string bar = std::string(done, '#') + std::string(width - done, '.');
-      std::string line = absl::StrFormat("[%s] %s step %d/%d", bar, StateName(e.state()), e.step(), e.steps());
+      std::string line = absl::StrFormat("[%s] %s step %d/%d", bar, JobState_Name(e.state()), e.step(), e.steps());
       if (e.step() > 0) {
         absl::StrAppend(&line, absl::StrFormat("  loss %.4f  %.0f samples/s  bubble %.0f%%", e.loss(),
                                                e.samples_per_second(), 100 * e.bubble_fraction()));
       }
+      if (Terminal(e.state()) && !e.message().empty()) absl::StrAppend(&line, "  ", e.message());
       std::cout << (tty ? "\r" : "") << line << (tty ? "   " : "\n") << std::flush;
     }
     if (Terminal(e.state())) break;
   }
   if (tty) std::cout << "\n";
   grpc::Status s = reader->Finish();
-  if (!s.ok()) return FromGrpc(s, where);
+  if (!s.ok()) return FromGrpc(s, g.coordinator);
   grpc::ClientContext ctx2;
-  GetJobRequest g;
-  g.set_job_id(job_id);
+  GetJobRequest get;
+  get.set_job_id(job_id);
   Job job;
-  s = stub->GetJob(&ctx2, g, &job);
-  if (!s.ok()) return FromGrpc(s, where);
+  s = stub->GetJob(&ctx2, get, &job);
+  if (!s.ok()) return FromGrpc(s, g.coordinator);
   return job;
 }
 
-int Submit(Coordinator::Stub* stub, const std::string& where, int argc, char** argv, int first) {
-  auto args = Args::Parse(argc, argv, first,
-                          {{"data"}, {"synthetic"}, {"stages"}, {"split-at"}, {"balance"}, {"schedule"},
-                           {"microbatches"}, {"batch-size"}, {"steps"}, {"loss"}, {"optimizer"}, {"lr"},
-                           {"momentum"}, {"weight-decay"}, {"clip-grad-norm"}, {"stages-per-worker"}, {"name"},
-                           {"seed"}, {"wait", false}, {"output"}});
-  if (!args.ok()) return Fail(args.status());
-  if (args->Has("help")) {
-    std::cout << kSubmitHelp;
-    return kExitOk;
-  }
-  if (args->positional().size() != 1) return Fail(absl::InvalidArgumentError("submit takes one MODEL.pt (see --help)"));
-  auto model = partition::ReadFile(args->positional()[0]);
-  if (!model.ok()) return Fail(model.status());
-  std::string data;
-  if (args->Has("data")) {
-    auto d = partition::ReadFile(args->Get("data"));
-    if (!d.ok()) return Fail(d.status());
-    data = *d;
-  }
+// Exit code of a finished job: 0 only if it SUCCEEDED.
+int JobExitCode(const Job& job) {
+  if (job.state() == SUCCEEDED) return kExitOk;
+  std::cerr << kProgram << ": job " << job.job_id() << " " << JobState_Name(job.state()) << ": " << job.reason() << "\n";
+  return kExitInternal;
+}
+
+// ---- submit ---------------------------------------------------------------------
+
+struct SubmitFlags {
+  std::string model, data, synthetic, name;
+  int stages = 0;
+  std::vector<std::string> split_at;
+  std::string balance = "params", schedule, loss, optimizer;
+  int microbatches = 0, batch_size = 0, steps = 1, stages_per_worker = 0;
+  double lr = 0.01, momentum = 0, clip = 0;
+  std::optional<double> weight_decay, beta1, beta2, eps;
+  uint64_t seed = 0;
+  bool wait = false;
+};
+
+absl::StatusOr<JobSpec> SpecFrom(const SubmitFlags& f) {
   JobSpec spec;
-  spec.set_name(args->Get("name", std::filesystem::path(args->positional()[0]).stem().string()));
-  auto stages = args->GetInt("stages", 0), mbs = args->GetInt("microbatches", 0), bs = args->GetInt("batch-size", 0),
-       steps = args->GetInt("steps", 1), v = args->GetInt("stages-per-worker", 0);
-  auto lr = args->GetDouble("lr", 0.01), mom = args->GetDouble("momentum", 0), wd = args->GetDouble("weight-decay", 0),
-       clip = args->GetDouble("clip-grad-norm", 0);
-  for (const absl::Status& s : {stages.status(), mbs.status(), bs.status(), steps.status(), v.status(), lr.status(),
-                                mom.status(), wd.status(), clip.status()}) {
-    if (!s.ok()) return Fail(s);
+  spec.set_name(f.name.empty() ? std::filesystem::path(f.model).stem().string() : f.name);
+  spec.mutable_split()->set_stages(f.stages);
+  for (const std::string& p : f.split_at) spec.mutable_split()->add_split_at(p);
+  auto balance = job::ParseBalance(f.balance);
+  if (!balance.ok()) return balance.status();
+  spec.mutable_split()->set_balance(*balance);
+  auto kind = job::ParseSchedule(f.schedule);
+  if (!kind.ok()) return absl::InvalidArgumentError(absl::StrCat("schedule.kind: ", kind.status().message()));
+  spec.mutable_schedule()->set_kind(*kind);
+  spec.mutable_schedule()->set_microbatches(f.microbatches);
+  spec.mutable_schedule()->set_stages_per_worker(f.stages_per_worker);
+  if (*kind != SCHEDULE_INFERENCE) {
+    if (!f.loss.empty()) {
+      auto loss = job::ParseLoss(f.loss);
+      if (!loss.ok()) return absl::InvalidArgumentError(absl::StrCat("loss: ", loss.status().message()));
+      spec.set_loss(*loss);
+    }
+    if (!f.optimizer.empty()) {
+      auto optimizer = job::ParseOptimizer(f.optimizer);
+      if (!optimizer.ok()) return absl::InvalidArgumentError(absl::StrCat("optimizer.kind: ", optimizer.status().message()));
+      spec.mutable_optimizer()->set_kind(*optimizer);
+    }
+    OptimizerSpec* o = spec.mutable_optimizer();
+    o->set_lr(f.lr);
+    o->set_momentum(f.momentum);
+    if (f.weight_decay) o->set_weight_decay(*f.weight_decay);
+    if (f.beta1) o->set_beta1(*f.beta1);
+    if (f.beta2) o->set_beta2(*f.beta2);
+    if (f.eps) o->set_eps(*f.eps);
+    o->set_clip_grad_norm(f.clip);
   }
-  spec.mutable_split()->set_stages(*stages);
-  for (const std::string& p : SplitList(args->Get("split-at"))) spec.mutable_split()->add_split_at(p);
-  spec.mutable_split()->set_balance(args->Get("balance"));
-  spec.mutable_schedule()->set_name(args->Get("schedule"));
-  spec.mutable_schedule()->set_microbatches(*mbs);
-  spec.mutable_schedule()->set_stages_per_worker(*v);
-  spec.set_mode(args->Get("schedule") == "inference" ? "inference" : "train");
-  spec.set_loss(args->Get("loss"));
-  spec.mutable_optimizer()->set_name(args->Get("optimizer"));
-  spec.mutable_optimizer()->set_lr(*lr);
-  spec.mutable_optimizer()->set_momentum(*mom);
-  spec.mutable_optimizer()->set_weight_decay(*wd);
-  spec.mutable_optimizer()->set_clip_grad_norm(*clip);
-  spec.set_steps(*steps);
-  spec.set_batch_size(*bs);
-  spec.mutable_data()->set_file(args->Get("data"));
-  spec.mutable_data()->set_synthetic(args->Get("synthetic"));
+  spec.set_steps(f.steps);
+  spec.set_batch_size(f.batch_size);
+  if (!f.data.empty()) spec.mutable_data()->set_file(std::filesystem::path(f.data).filename().string());
+  spec.mutable_data()->set_synthetic(f.synthetic);
+  spec.set_seed(f.seed);
+  // The coordinator checks again; checking here saves uploading a large model for a
+  // spec it would refuse.
+  JobSpec checked = spec;
+  absl::Status s = job::CheckSpec(&checked);
+  if (!s.ok()) return s;
+  return spec;
+}
+
+// Streams `path` into the submission, chunk by chunk.
+absl::Status Stream(grpc::ClientWriter<SubmitJobRequest>* writer, const std::string& path, bool model) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open '", path, "': no such file or not readable"));
+  std::string buf(kChunk, '\0');
+  SubmitJobRequest req;
+  while (in) {
+    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+    const std::streamsize n = in.gcount();
+    if (n <= 0) break;
+    if (model) {
+      req.set_model_chunk(buf.data(), static_cast<size_t>(n));
+    } else {
+      req.set_data_chunk(buf.data(), static_cast<size_t>(n));
+    }
+    if (!writer->Write(req)) return absl::OkStatus();  // the coordinator refused; Finish says why
+  }
+  if (in.bad()) return absl::UnavailableError(absl::StrCat("reading '", path, "' failed"));
+  return absl::OkStatus();
+}
+
+int RunSubmit(const SubmitFlags& f, const GlobalFlags& g) {
+  auto spec = SpecFrom(f);
+  if (!spec.ok()) return Fail(kProgram, spec.status());
+  auto stub = Connect(g);
   grpc::ClientContext ctx;
   SubmitJobResponse resp;
   auto writer = stub->SubmitJob(&ctx, &resp);
-  SubmitJobRequest req;
-  *req.mutable_spec() = spec;
-  writer->Write(req);
-  constexpr size_t kChunk = 1 << 20;
-  for (size_t off = 0; off < model->size(); off += kChunk) {
-    SubmitJobRequest c;
-    c.set_model_chunk(model->substr(off, kChunk));
-    if (!writer->Write(c)) break;
+  SubmitJobRequest first;
+  *first.mutable_spec() = *spec;
+  absl::Status streamed;
+  if (writer->Write(first)) {
+    streamed = Stream(writer.get(), f.model, /*model=*/true);
+    if (streamed.ok() && !f.data.empty()) streamed = Stream(writer.get(), f.data, /*model=*/false);
   }
-  for (size_t off = 0; off < data.size(); off += kChunk) {
-    SubmitJobRequest c;
-    c.set_data_chunk(data.substr(off, kChunk));
-    if (!writer->Write(c)) break;
+  if (!streamed.ok()) {
+    ctx.TryCancel();
+    writer->Finish();
+    return Fail(kProgram, streamed);
   }
   writer->WritesDone();
   grpc::Status s = writer->Finish();
-  if (!s.ok()) return Fail(FromGrpc(s, where));
-  const bool json = args->Get("output", "table") == "json";
-  if (json) std::cout << "{\"job_id\": \"" << resp.job_id() << "\"}" << std::endl;
-  else std::cout << resp.job_id() << std::endl;
-  if (!args->Has("wait")) return kExitOk;
-  auto job = Watch(stub, resp.job_id(), json, where);
-  if (!job.ok()) return Fail(job.status());
+  if (!s.ok()) return Fail(kProgram, FromGrpc(s, g.coordinator));
+  const bool json = g.output == "json";
+  if (json) {
+    std::cout << "{\"job_id\": \"" << resp.job_id() << "\"}" << std::endl;
+  } else {
+    std::cout << resp.job_id() << std::endl;
+  }
+  if (!f.wait) return kExitOk;
+  auto job = Watch(stub.get(), resp.job_id(), g);
+  if (!job.ok()) return Fail(kProgram, job.status());
   if (!json) PrintJob(*job);
-  if (job->state() != SUCCEEDED) {
-    std::cerr << "pippyctl: job " << job->job_id() << " " << StateName(job->state()) << ": " << job->reason() << "\n";
-    return kExitInternal;
+  return JobExitCode(*job);
+}
+
+void AddSubmit(CLI::App& root, const GlobalFlags& g, int* exit_code) {
+  auto f = std::make_shared<SubmitFlags>();
+  CLI::App* cmd = root.add_subcommand(
+      "submit", "Submit a training or inference job; prints its id (--wait follows it to the end). The "
+                "coordinator splits the model once and sends each worker only its stages.");
+  cmd->fallthrough();
+  cmd->add_option("MODEL", f->model, "the TorchScript file (torch.jit.script(model).save(path))")
+      ->required()
+      ->check(CLI::ExistingFile);
+  auto* data = cmd->add_option("--data", f->data,
+                               "torch.save({\"inputs\": ..., \"targets\": ...}); step k trains on samples "
+                               "[k*B, (k+1)*B) of it, wrapping around")
+                   ->check(CLI::ExistingFile);
+  auto* synthetic = cmd->add_option("--synthetic", f->synthetic,
+                                    "data made by the coordinator instead, for benchmarks: "
+                                    "\"inputs=float32[256,1024];targets=float32[256,1024];seed=0\" "
+                                    "(int64[64,16]@64 for integers in [0, 64); without seed= the job's --seed)");
+  data->excludes(synthetic);
+  cmd->add_option("--stages", f->stages, "split automatically into this many stages")->check(cli::Positive());
+  cmd->add_option("--split-at", f->split_at, "or cut before these modules (see pippyctl split --help)")
+      ->delimiter(',');
+  cmd->add_option("--balance", f->balance, "what an automatic split equalises: params | flops | time")
+      ->check(CLI::IsMember({"params", "flops", "time"}))->capture_default_str();
+  cmd->add_option("--schedule", f->schedule, "gpipe | 1f1b | interleaved-1f1b | looped-bfs | zb1p | zbv | inference")
+      ->required();
+  cmd->add_option("--stages-per-worker", f->stages_per_worker,
+                  "stages each worker holds (interleaved schedules; default: the schedule's)")
+      ->check(cli::Positive());
+  cmd->add_option("--microbatches", f->microbatches, "micro-batches per step")->required()->check(cli::Positive());
+  cmd->add_option("--batch-size", f->batch_size, "samples per step (a multiple of --microbatches)")
+      ->required()
+      ->check(cli::Positive());
+  cmd->add_option("--steps", f->steps, "optimizer steps (inference: batches)")->check(cli::Positive())->capture_default_str();
+  cmd->add_option("--loss", f->loss, "mse | cross_entropy | model (the model's loss(self, output, target))")
+      ->check(CLI::IsMember({"mse", "cross_entropy", "model"}));
+  cmd->add_option("--optimizer", f->optimizer, "sgd | adam | adamw (torch.optim's semantics and defaults)")
+      ->check(CLI::IsMember({"sgd", "adam", "adamw"}));
+  cmd->add_option("--lr", f->lr, "learning rate")->check(cli::Positive())->capture_default_str();
+  cmd->add_option("--momentum", f->momentum, "sgd momentum")->check(cli::NonNegative())->capture_default_str();
+  cmd->add_option("--weight-decay", f->weight_decay, "default: torch's (0.01 for adamw, 0 for sgd and adam)")
+      ->check(cli::NonNegative());
+  cmd->add_option("--beta1", f->beta1, "adam/adamw (default 0.9)")->check(CLI::Range(0.0, 0.999999));
+  cmd->add_option("--beta2", f->beta2, "adam/adamw (default 0.999)")->check(CLI::Range(0.0, 0.999999));
+  cmd->add_option("--eps", f->eps, "adam/adamw (default 1e-8)")->check(cli::Positive());
+  cmd->add_option("--clip-grad-norm", f->clip, "clip gradients to this global norm; 0: no clipping")
+      ->check(cli::NonNegative())->capture_default_str();
+  cmd->add_option("--name", f->name, "the job's name (default: the model file's name)");
+  cmd->add_option("--seed", f->seed, "seeds each rank's random number generator (seed + rank) and synthetic data")->capture_default_str();
+  cmd->add_flag("--wait", f->wait, "follow the job until it ends; exit 0 only if it SUCCEEDED");
+  cmd->callback([f, &g, exit_code] { *exit_code = RunSubmit(*f, g); });
+}
+
+// ---- list, workers, status, cancel, watch, fetch --------------------------------
+
+int RunList(const GlobalFlags& g) {
+  auto stub = Connect(g);
+  grpc::ClientContext ctx;
+  ListJobsResponse r;
+  grpc::Status s = stub->ListJobs(&ctx, ListJobsRequest(), &r);
+  if (!s.ok()) return Fail(kProgram, FromGrpc(s, g.coordinator));
+  if (g.output == "json") {
+    std::cout << Json(r) << "\n";
+    return kExitOk;
+  }
+  Table t({"job", "name", "state", "schedule", "stages", "step", "loss", "reason"});
+  for (const Job& j : r.jobs()) {
+    t.AddRow({j.job_id(), j.spec().name(), JobState_Name(j.state()), job::ScheduleName(j.spec().schedule().kind()),
+              absl::StrCat(j.plan().stages_size()), absl::StrCat(j.step(), "/", j.spec().steps()),
+              j.losses_size() ? absl::StrFormat("%.4f", j.losses(j.losses_size() - 1)) : "-", j.reason()});
+  }
+  std::cout << t.Render();
+  return kExitOk;
+}
+
+int RunWorkers(const GlobalFlags& g) {
+  auto stub = Connect(g);
+  grpc::ClientContext ctx;
+  ListWorkersResponse r;
+  grpc::Status s = stub->ListWorkers(&ctx, ListWorkersRequest(), &r);
+  if (!s.ok()) return Fail(kProgram, FromGrpc(s, g.coordinator));
+  if (g.output == "json") {
+    std::cout << Json(r) << "\n";
+    return kExitOk;
+  }
+  Table t({"worker", "name", "host", "device", "threads", "state", "job", "rank", "stages", "received"});
+  for (const WorkerInfo& w : r.workers()) {
+    const bool busy = !w.job_id().empty();
+    t.AddRow({w.worker_id(), w.name(), w.host(), w.device(), absl::StrCat(w.threads()),
+              absl::AsciiStrToLower(WorkerState_Name(w.state())), busy ? w.job_id() : "-",
+              busy ? absl::StrCat(w.rank()) : "-", busy ? absl::StrJoin(w.stages(), ",") : "-",
+              busy && w.bytes_received() > 0 ? HumanBytes(static_cast<double>(w.bytes_received())) : "-"});
+  }
+  std::cout << t.Render();
+  return kExitOk;
+}
+
+int RunStatusOrCancel(const std::string& job_id, bool cancel, const GlobalFlags& g) {
+  auto stub = Connect(g);
+  grpc::ClientContext ctx;
+  Job j;
+  grpc::Status s;
+  if (cancel) {
+    CancelJobRequest r;
+    r.set_job_id(job_id);
+    s = stub->CancelJob(&ctx, r, &j);
+  } else {
+    GetJobRequest r;
+    r.set_job_id(job_id);
+    s = stub->GetJob(&ctx, r, &j);
+  }
+  if (!s.ok()) return Fail(kProgram, FromGrpc(s, g.coordinator));
+  if (g.output == "json") {
+    std::cout << Json(j) << "\n";
+  } else {
+    PrintJob(j);
+  }
+  return kExitOk;
+}
+
+int RunWatch(const std::string& job_id, const GlobalFlags& g) {
+  auto stub = Connect(g);
+  auto j = Watch(stub.get(), job_id, g);
+  if (!j.ok()) return Fail(kProgram, j.status());
+  if (g.output != "json") PrintJob(*j);
+  return JobExitCode(*j);
+}
+
+int RunFetch(const std::string& job_id, const std::string& out, const GlobalFlags& g) {
+  auto stub = Connect(g);
+  grpc::ClientContext ctx;
+  FetchModelRequest r;
+  r.set_job_id(job_id);
+  auto reader = stub->FetchModel(&ctx, r);
+  // Chunks go to a temporary file beside OUT, renamed into place once all arrived.
+  const std::string tmp = out + ".part";
+  std::ofstream file(tmp, std::ios::binary | std::ios::trunc);
+  if (!file) return Fail(kProgram, absl::PermissionDeniedError(absl::StrCat("cannot write '", tmp, "'")));
+  int64_t bytes = 0;
+  ModelChunk c;
+  while (reader->Read(&c)) {
+    file.write(c.data().data(), static_cast<std::streamsize>(c.data().size()));
+    bytes += static_cast<int64_t>(c.data().size());
+    if (!file) {
+      ctx.TryCancel();
+      break;
+    }
+  }
+  grpc::Status s = reader->Finish();
+  file.close();
+  if (!file) {
+    std::remove(tmp.c_str());
+    return Fail(kProgram, absl::UnavailableError(absl::StrCat("writing '", tmp, "' failed (disk full?)")));
+  }
+  if (!s.ok()) {
+    std::remove(tmp.c_str());
+    return Fail(kProgram, FromGrpc(s, g.coordinator));
+  }
+  if (std::rename(tmp.c_str(), out.c_str()) != 0) {
+    return Fail(kProgram, absl::PermissionDeniedError(absl::StrCat("cannot move '", tmp, "' to '", out, "'")));
+  }
+  if (g.output == "json") {
+    std::cout << "{\"job_id\": \"" << job_id << "\", \"path\": \"" << out << "\", \"bytes\": " << bytes << "}\n";
+  } else {
+    std::cout << "wrote the result of " << job_id << " to " << out << " (" << HumanBytes(static_cast<double>(bytes))
+              << ")\n";
   }
   return kExitOk;
 }
 
 }  // namespace
 
-int RunRemoteCommand(const std::string& command, const std::string& where, int argc, char** argv, int first) {
-  if (command == "submit" && first < argc && (std::string(argv[first]) == "--help" || std::string(argv[first]) == "-h")) {
-    std::cout << kSubmitHelp;
-    return kExitOk;
-  }
-  auto channel = grpc::CreateChannel(where, grpc::InsecureChannelCredentials());
-  auto stub = Coordinator::NewStub(channel);
-  if (command == "submit") return Submit(stub.get(), where, argc, argv, first);
-  auto args = Args::Parse(argc, argv, first, {{"output"}, {"o"}});
-  if (!args.ok()) return Fail(args.status());
-  const bool json = args->Get("output", "table") == "json";
-  auto need_job = [&]() -> absl::StatusOr<std::string> {
-    if (args->positional().size() != 1) return absl::InvalidArgumentError(absl::StrCat(command, " takes one JOB id"));
-    return args->positional()[0];
+void AddRemoteCommands(CLI::App& root, const GlobalFlags& globals, int* exit_code) {
+  AddSubmit(root, globals, exit_code);
+  const GlobalFlags* g = &globals;
+  CLI::App* list = root.add_subcommand("list", "Jobs and their states, oldest first");
+  list->fallthrough();
+  list->callback([g, exit_code] { *exit_code = RunList(*g); });
+  CLI::App* workers = root.add_subcommand("workers", "Registered workers: state, job, rank, stages, bytes received");
+  workers->fallthrough();
+  workers->callback([g, exit_code] { *exit_code = RunWorkers(*g); });
+
+  auto job_id = std::make_shared<std::string>();
+  auto with_job = [&root, job_id](const std::string& name, const std::string& what) {
+    CLI::App* cmd = root.add_subcommand(name, what);
+    cmd->fallthrough();
+    cmd->add_option("JOB", *job_id, "the job's id (pippyctl list shows them)")->required();
+    return cmd;
   };
-  if (command == "list") {
-    grpc::ClientContext ctx;
-    ListJobsResponse r;
-    grpc::Status s = stub->ListJobs(&ctx, ListJobsRequest(), &r);
-    if (!s.ok()) return Fail(FromGrpc(s, where));
-    if (json) {
-      std::cout << Json(r) << "\n";
-      return kExitOk;
-    }
-    Table t({"job", "name", "state", "schedule", "stages", "step", "loss", "reason"});
-    for (const Job& j : r.jobs()) {
-      t.AddRow({j.job_id(), j.spec().name(), StateName(j.state()), j.spec().schedule().name(),
-                absl::StrCat(j.plan().stages_size()), absl::StrCat(j.step(), "/", j.spec().steps()),
-                j.losses_size() ? absl::StrFormat("%.4f", j.losses(j.losses_size() - 1)) : "-", j.reason()});
-    }
-    std::cout << t.Render();
-    return kExitOk;
-  }
-  if (command == "workers") {
-    grpc::ClientContext ctx;
-    ListWorkersResponse r;
-    grpc::Status s = stub->ListWorkers(&ctx, ListWorkersRequest(), &r);
-    if (!s.ok()) return Fail(FromGrpc(s, where));
-    if (json) {
-      std::cout << Json(r) << "\n";
-      return kExitOk;
-    }
-    Table t({"worker", "name", "host", "device", "state", "job", "rank"});
-    for (const WorkerInfo& w : r.workers()) {
-      t.AddRow({w.worker_id(), w.name(), w.host(), w.device(), w.state(), w.job_id().empty() ? "-" : w.job_id(),
-                w.job_id().empty() ? "-" : absl::StrCat(w.rank())});
-    }
-    std::cout << t.Render();
-    return kExitOk;
-  }
-  auto job_id = need_job();
-  if (!job_id.ok()) return Fail(job_id.status());
-  if (command == "status" || command == "cancel") {
-    grpc::ClientContext ctx;
-    Job j;
-    grpc::Status s;
-    if (command == "status") {
-      GetJobRequest r;
-      r.set_job_id(*job_id);
-      s = stub->GetJob(&ctx, r, &j);
-    } else {
-      CancelJobRequest r;
-      r.set_job_id(*job_id);
-      s = stub->CancelJob(&ctx, r, &j);
-    }
-    if (!s.ok()) return Fail(FromGrpc(s, where));
-    if (json) std::cout << Json(j) << "\n";
-    else PrintJob(j);
-    return kExitOk;
-  }
-  if (command == "watch") {
-    auto j = Watch(stub.get(), *job_id, json, where);
-    if (!j.ok()) return Fail(j.status());
-    if (!json) PrintJob(*j);
-    return j->state() == SUCCEEDED ? kExitOk : kExitInternal;
-  }
-  if (command == "fetch") {
-    const std::string out = args->Get("o", args->Get("output-file"));
-    if (out.empty()) return Fail(absl::InvalidArgumentError("fetch needs -o OUT.pt"));
-    grpc::ClientContext ctx;
-    FetchModelRequest r;
-    r.set_job_id(*job_id);
-    auto reader = stub->FetchModel(&ctx, r);
-    std::string bytes;
-    ModelChunk c;
-    while (reader->Read(&c)) bytes += c.data();
-    grpc::Status s = reader->Finish();
-    if (!s.ok()) return Fail(FromGrpc(s, where));
-    std::ofstream(out, std::ios::binary) << bytes;
-    std::cout << "wrote the trained model of " << *job_id << " to " << out << " (" << HumanBytes(bytes.size()) << ")\n";
-    return kExitOk;
-  }
-  return Fail(absl::InvalidArgumentError(absl::StrCat("unknown command '", command, "'; run pippyctl --help")));
-}
-
-namespace {
-
-volatile sig_atomic_t g_stop = 0;
-
-pid_t Spawn(const std::vector<std::string>& args) {
-  std::vector<char*> argv;
-  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  pid_t pid = -1;
-  if (posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), environ) != 0) return -1;
-  return pid;
-}
-
-std::string FindBinary(const std::string& self, const std::string& name, const std::string& bazel_dir) {
-  std::filesystem::path dir = std::filesystem::path(self).parent_path();
-  for (const auto& p : {dir / name, dir / ".." / bazel_dir / name}) {
-    if (std::filesystem::exists(p)) return p.string();
-  }
-  return name;  // on PATH
-}
-
-}  // namespace
-
-int RunLocalCommand(int argc, char** argv, int first, const std::string& self) {
-  auto args = Args::Parse(argc, argv, first, {{"workers"}, {"port"}, {"state-dir"}, {"threads"}, {"ucx-tls"}});
-  if (!args.ok()) return Fail(args.status());
-  if (args->Has("help")) {
-    std::cout << "usage: pippyctl local --workers N [--port P] [--state-dir DIR] [--threads T]\n"
-                 "Runs a coordinator on 127.0.0.1:P (default 7070) and N workers in the foreground;\n"
-                 "Ctrl-C stops them all.\n";
-    return kExitOk;
-  }
-  auto n = args->GetInt("workers", 1), port = args->GetInt("port", 7070), threads = args->GetInt("threads", 1);
-  if (!n.ok()) return Fail(n.status());
-  if (!port.ok()) return Fail(port.status());
-  if (!threads.ok()) return Fail(threads.status());
-  const std::string coord = FindBinary(self, "pippy-coordinator", "coordinator");
-  const std::string worker = FindBinary(self, "pippy-worker", "worker");
-  const std::string state = args->Get("state-dir", "pippy-state");
-  std::vector<pid_t> pids;
-  pids.push_back(Spawn({coord, "--bind", "127.0.0.1", "--port", std::to_string(*port), "--state-dir", state}));
-  if (pids.back() < 0) return Fail(absl::NotFoundError(absl::StrCat("cannot start ", coord)));
-  const std::string where = absl::StrCat("127.0.0.1:", *port);
-  for (int i = 0; i < *n; ++i) {
-    std::vector<std::string> a = {worker, "--coordinator", where, "--name", absl::StrCat("local-", i), "--threads",
-                                  std::to_string(*threads)};
-    if (args->Has("ucx-tls")) {
-      a.push_back("--ucx-tls");
-      a.push_back(args->Get("ucx-tls"));
-    }
-    pids.push_back(Spawn(a));
-  }
-  std::cerr << "pippyctl local: coordinator on " << where << " with " << *n << " workers (Ctrl-C stops them)\n";
-  signal(SIGINT, [](int) { g_stop = 1; });
-  signal(SIGTERM, [](int) { g_stop = 1; });
-  int code = kExitOk;
-  while (!g_stop) {
-    int status = 0;
-    pid_t done = waitpid(-1, &status, WNOHANG);
-    if (done > 0) {
-      std::cerr << "pippyctl local: process " << done << " exited; stopping the others\n";
-      for (pid_t& p : pids) if (p == done) p = -1;
-      code = kExitInternal;
-      break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  for (pid_t p : pids) if (p > 0) kill(p, SIGTERM);
-  for (pid_t p : pids) {
-    if (p <= 0) continue;
-    for (int i = 0; i < 50 && waitpid(p, nullptr, WNOHANG) == 0; ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-    kill(p, SIGKILL);
-    waitpid(p, nullptr, 0);
-  }
-  return code;
+  with_job("status", "One job: state, reason, step, losses, throughput, sizes")->callback([g, job_id, exit_code] {
+    *exit_code = RunStatusOrCancel(*job_id, /*cancel=*/false, *g);
+  });
+  with_job("cancel",
+           "Stop a job: it ends CANCELLED at once; its workers stop their step in progress and are free again")
+      ->callback([g, job_id, exit_code] { *exit_code = RunStatusOrCancel(*job_id, /*cancel=*/true, *g); });
+  with_job("watch", "A live progress bar until the job ends (exit 0 only if it SUCCEEDED)")
+      ->callback([g, job_id, exit_code] { *exit_code = RunWatch(*job_id, *g); });
+  auto out = std::make_shared<std::string>();
+  CLI::App* fetch = with_job("fetch",
+                             "Download a finished job's result: the trained model (ONE TorchScript file like the "
+                             "submitted one) or an inference job's outputs (a torch.save file)");
+  fetch->add_option("-o,--out", *out, "where to write it")->required();
+  fetch->callback([g, job_id, out, exit_code] { *exit_code = RunFetch(*job_id, *out, *g); });
 }
 
 }  // namespace pippy::cli

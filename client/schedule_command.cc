@@ -1,14 +1,13 @@
-#include "client/schedule_command.h"
-
+// `pippyctl schedule`: generates, validates and simulates a schedule; prints its timeline.
 #include <fstream>
 #include <iostream>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "client/args.h"
-#include "client/exit_codes.h"
+#include "client/commands.h"
 #include "client/table.h"
+#include "common/cli.h"
 #include "pipeline/schedule/schedule.h"
 #include "pipeline/schedule/simulator.h"
 
@@ -16,34 +15,6 @@ namespace pippy::cli {
 namespace {
 
 using schedule::Schedule;
-
-constexpr char kHelp[] = R"(usage: pippyctl schedule --schedule NAME --ranks R [--stages S] --microbatches M
-                         [--costs F,B,W] [--csv FILE] [--from-csv FILE] [--svg FILE]
-                         [--output table|json]
-
-Generates a pipeline schedule as per-rank action lists (torch.distributed.pipelining
-notation: 0F3 = stage 0 forward of micro-batch 3; B full backward; I/W backward for
-inputs/weights; SEND_F, RECV_F, SEND_B, RECV_B), validates it, simulates it and prints
-the timeline, the bubble fraction per rank and the peak live activations per rank.
-
-  --schedule NAME   gpipe | 1f1b | interleaved-1f1b | looped-bfs | zb1p | zbv | inference
-                    (torch's names work too: GPipe, Interleaved1F1B, ZBVZeroBubble, ...)
-  --ranks R         pipeline ranks (workers)
-  --stages S        total stages (a multiple of R; default R, or 2R for interleaved-1f1b,
-                    looped-bfs and zbv; zbv needs exactly 2R)
-  --microbatches M  micro-batches per step
-  --costs F,B,W     action costs: forward, backward for inputs, backward for weights
-                    (a full backward B costs B+W); default 1,1,1
-  --csv FILE        write the schedule in torch's CSV format (one row per rank)
-  --from-csv FILE   read a schedule from torch's CSV format instead of generating one;
-                    compute-only schedules get SEND/RECV actions inserted
-  --svg FILE        draw the timeline (one row per rank, F/B/I/W blocks, idle visible)
-  --output          table (default) or json
-
-Preconditions: 1f1b, zb1p and zbv need micro-batches >= ranks; interleaved-1f1b needs
-micro-batches to be a multiple of ranks. Exit codes: 0 valid, 2 bad input or a schedule
-that is invalid or deadlocks (the grid marks where each rank is stuck).
-)";
 
 std::string Json(const Schedule& s, const schedule::SimulationResult& r) {
   std::string out = absl::StrFormat(
@@ -61,72 +32,61 @@ std::string Json(const Schedule& s, const schedule::SimulationResult& r) {
   return out + "]}";
 }
 
-}  // namespace
+struct ScheduleFlags {
+  std::string schedule;
+  int ranks = 0;
+  int stages = 0;
+  int microbatches = 0;
+  std::string costs = "1,1,1";
+  std::string csv, from_csv, svg;
+};
 
-int RunScheduleCommand(int argc, char** argv, int first) {
-  auto args = Args::Parse(argc, argv, first,
-                          {{"schedule"}, {"ranks"}, {"stages"}, {"microbatches"}, {"costs"}, {"csv"},
-                           {"from-csv"}, {"svg"}, {"output"}});
-  if (!args.ok()) return Fail(args.status());
-  if (args->Has("help")) {
-    std::cout << kHelp;
-    return kExitOk;
-  }
-  if (!args->positional().empty()) {
-    return Fail(absl::InvalidArgumentError(absl::StrCat("unexpected argument '", args->positional()[0], "'")));
-  }
-  auto costs = schedule::ParseCosts(args->Get("costs", "1,1,1"));
-  if (!costs.ok()) return Fail(costs.status());
-  const std::string output = args->Get("output", "table");
-  if (output != "table" && output != "json") return Fail(absl::InvalidArgumentError("--output must be table or json"));
-
+int RunSchedule(const ScheduleFlags& f, const GlobalFlags& g) {
+  auto costs = schedule::ParseCosts(f.costs);
+  if (!costs.ok()) return Fail(kProgram, costs.status());
   Schedule sched;
-  if (args->Has("from-csv")) {
-    std::ifstream in(args->Get("from-csv"));
-    if (!in) return Fail(absl::NotFoundError(absl::StrCat("cannot open '", args->Get("from-csv"), "'")));
+  if (!f.from_csv.empty()) {
+    std::ifstream in(f.from_csv);
+    if (!in) return Fail(kProgram, absl::NotFoundError(absl::StrCat("cannot open '", f.from_csv, "'")));
     std::stringstream buf;
     buf << in.rdbuf();
     auto s = schedule::FromCsv(buf.str());
-    if (!s.ok()) return Fail(s.status());
+    if (!s.ok()) return Fail(kProgram, s.status());
     sched = *s;
   } else {
-    if (!args->Has("schedule") || !args->Has("ranks") || !args->Has("microbatches")) {
-      return Fail(absl::InvalidArgumentError(
-          "schedule needs --schedule NAME --ranks R --microbatches M (or --from-csv FILE); see --help"));
+    if (f.schedule.empty() || f.ranks == 0 || f.microbatches == 0) {
+      return Fail(kProgram, absl::InvalidArgumentError(
+                                "schedule needs --schedule NAME --ranks R --microbatches M (or --from-csv FILE); "
+                                "see pippyctl schedule --help"));
     }
-    auto kind = schedule::ParseScheduleKind(args->Get("schedule"));
-    if (!kind.ok()) return Fail(kind.status());
-    auto ranks = args->GetInt("ranks", 1);
-    auto mbs = args->GetInt("microbatches", 1);
-    if (!ranks.ok()) return Fail(ranks.status());
-    if (!mbs.ok()) return Fail(mbs.status());
-    auto stages = args->GetInt("stages", *ranks * schedule::DefaultStagesPerRank(*kind));
-    if (!stages.ok()) return Fail(stages.status());
-    if (*ranks < 1 || *stages % *ranks != 0) {
-      return Fail(absl::InvalidArgumentError(
-          absl::StrCat("--stages (", *stages, ") must be a positive multiple of --ranks (", *ranks, ")")));
+    auto kind = schedule::ParseScheduleKind(f.schedule);
+    if (!kind.ok()) return Fail(kProgram, kind.status());
+    const int stages = f.stages > 0 ? f.stages : f.ranks * schedule::DefaultStagesPerRank(*kind);
+    if (stages % f.ranks != 0) {
+      return Fail(kProgram, absl::InvalidArgumentError(absl::StrCat("--stages (", stages,
+                                                                    ") must be a multiple of --ranks (", f.ranks, ")")));
     }
     schedule::ScheduleOptions opts;
-    opts.num_ranks = *ranks;
-    opts.num_microbatches = *mbs;
-    opts.stages_per_rank = *stages / *ranks;
+    opts.num_ranks = f.ranks;
+    opts.num_microbatches = f.microbatches;
+    opts.stages_per_rank = stages / f.ranks;
     auto s = schedule::MakeSchedule(*kind, opts);
-    if (!s.ok()) return Fail(s.status());
+    if (!s.ok()) return Fail(kProgram, s.status());
     sched = *s;
   }
   auto result = schedule::Simulate(sched, *costs);
-  if (!result.ok()) return Fail(result.status());
-  if (args->Has("csv")) {
-    std::ofstream out(args->Get("csv"));
+  if (!result.ok()) return Fail(kProgram, result.status());
+  if (!f.csv.empty()) {
+    std::ofstream out(f.csv);
     out << schedule::ToCsv(sched);
-    if (!out) return Fail(absl::PermissionDeniedError(absl::StrCat("cannot write '", args->Get("csv"), "'")));
+    if (!out) return Fail(kProgram, absl::PermissionDeniedError(absl::StrCat("cannot write '", f.csv, "'")));
   }
-  if (args->Has("svg")) {
-    std::ofstream out(args->Get("svg"));
+  if (!f.svg.empty()) {
+    std::ofstream out(f.svg);
     out << schedule::RenderSvg(sched, *result);
-    if (!out) return Fail(absl::PermissionDeniedError(absl::StrCat("cannot write '", args->Get("svg"), "'")));
+    if (!out) return Fail(kProgram, absl::PermissionDeniedError(absl::StrCat("cannot write '", f.svg, "'")));
   }
-  if (output == "json") {
+  if (g.output == "json") {
     std::cout << Json(sched, *result) << "\n";
     return kExitOk;
   }
@@ -147,6 +107,39 @@ int RunScheduleCommand(int argc, char** argv, int first) {
   std::cout << absl::StrFormat("\nmakespan %g, mean bubble %.1f%%\n", result->makespan,
                                100 * result->mean_bubble_fraction);
   return kExitOk;
+}
+
+}  // namespace
+
+void AddScheduleCommand(CLI::App& root, const GlobalFlags& globals, int* exit_code) {
+  auto f = std::make_shared<ScheduleFlags>();
+  CLI::App* cmd = root.add_subcommand(
+      "schedule",
+      "Generate a pipeline schedule as per-rank action lists (torch.distributed.pipelining notation: 0F3 = "
+      "stage 0 forward of micro-batch 3; B full backward; I/W backward for inputs/weights; SEND_F, RECV_F, "
+      "SEND_B, RECV_B), validate it (a deadlock prints the rank x step grid with each rank's stuck action), "
+      "simulate it and print the timeline, the bubble fraction and the peak live activations per rank. "
+      "Preconditions: 1f1b, zb1p and zbv need micro-batches >= ranks; interleaved-1f1b needs micro-batches "
+      "to be a multiple of ranks.");
+  cmd->fallthrough();
+  cmd->add_option("--schedule", f->schedule,
+                  "gpipe | 1f1b | interleaved-1f1b | looped-bfs | zb1p | zbv | inference (torch's class names "
+                  "work too: GPipe, Interleaved1F1B, ZBVZeroBubble, ...)");
+  cmd->add_option("--ranks", f->ranks, "pipeline ranks (workers)")->check(cli::Positive());
+  cmd->add_option("--stages", f->stages,
+                  "total stages, a multiple of --ranks (default: ranks, or 2 x ranks for interleaved-1f1b, "
+                  "looped-bfs and zbv; zbv needs exactly 2 x ranks)")
+      ->check(cli::Positive());
+  cmd->add_option("--microbatches", f->microbatches, "micro-batches per step")->check(cli::Positive());
+  cmd->add_option("--costs", f->costs,
+                  "action costs F,B,W: forward, backward for inputs, backward for weights (a full backward B "
+                  "costs B+W)");
+  cmd->add_option("--csv", f->csv, "write the schedule in torch's CSV format (one row per rank)");
+  cmd->add_option("--from-csv", f->from_csv,
+                  "read a schedule in torch's CSV format instead of generating one (compute-only schedules get "
+                  "SEND/RECV inserted)");
+  cmd->add_option("--svg", f->svg, "draw the timeline (one row per rank, F/B/I/W blocks, idle visible)");
+  cmd->callback([f, &globals, exit_code] { *exit_code = RunSchedule(*f, globals); });
 }
 
 }  // namespace pippy::cli

@@ -1,55 +1,22 @@
-#include "client/split_command.h"
-
+// `pippyctl split`: splits a TorchScript model offline and prints or writes the plan.
+// It runs as its own program, pippyctl-split (LibTorch), which pippyctl executes, so
+// that pippyctl itself does not load LibTorch (its memory stays small).
 #include <iostream>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "client/args.h"
-#include "client/exit_codes.h"
+#include "client/commands.h"
 #include "client/table.h"
+#include "common/cli.h"
+#include "pipeline/job/job_spec.h"
 #include "pipeline/partition/model_io.h"
 #include "pipeline/partition/partition.h"
 #include "torch/csrc/jit/runtime/graph_executor.h"
 
 namespace pippy::cli {
 namespace {
-
-constexpr char kHelp[] = R"(usage: pippyctl split MODEL.pt (--stages K [--balance params|flops|time] | --split-at A,B,...)
-                      [--example-input FILE] [--out DIR] [--output table|json]
-
-Splits a TorchScript model (torch.jit.script(model).save("MODEL.pt")) into pipeline
-stages, like torch.distributed.pipelining.pipeline(), and prints the plan.
-
-Where to cut (first that applies):
-  --split-at A,B,...   cut before each named module (full paths as in named_modules(),
-                       e.g. blocks.4); "NAME:end" cuts after that module instead.
-  PipeSplit markers    any submodule whose class is named PipeSplit (an identity module)
-                       marks a cut; used when --split-at is not given.
-  --stages K           automatic split into K stages, only at legal places (where only
-                       tensors cross the cut), preferring module boundaries.
-  --balance MODE       what the automatic split equalises:
-                         params  parameter bytes (default; needs no input)
-                         flops   estimated FLOPs: 2 x multiply-adds of linear, matmul and
-                                 convolution ops, ~5 per element for normalisation and
-                                 softmax, 1 per output element otherwise, with the shapes
-                                 of --example-input
-                         time    measured forward time of spans between legal cuts on
-                                 --example-input (min of 3 runs, this machine's CPU)
-
-Other options:
-  --example-input FILE a batch written by Python's torch.save: a tensor (one argument),
-                       a tuple of values (forward's arguments in order) or a dict
-                       {argument name: value}. Adds shapes and activation bytes sent to
-                       the plan. Example:  torch.save({"x": x, "y": y}, "in.pt")
-  --out DIR            write DIR/stage_N.pt (standalone TorchScript modules with the
-                       original parameter names; torch.jit.load opens them) and
-                       DIR/plan.json
-  --output table|json  a table for people (default) or the plan as JSON
-  --list-cuts          list every legal cut and its --split-at name instead of splitting
-
-Exit codes: 0 success, 2 bad input (the message says what to change), 1 internal error.
-)";
 
 std::string FormatCost(double cost, const std::string& unit) {
   if (unit == "bytes") return HumanBytes(cost);
@@ -88,7 +55,7 @@ std::string RenderPlan(const PipelinePlan& plan) {
   std::string out = absl::StrCat("model ", plan.model(), ": ", plan.num_nodes(), " ops, ",
                                  plan.num_legal_cuts(), " legal cut points; split by ",
                                  plan.split_method());
-  if (!plan.balance().empty()) absl::StrAppend(&out, " (balance ", plan.balance(), ")");
+  if (plan.balance() != BALANCE_UNSPECIFIED) absl::StrAppend(&out, " (balance ", job::BalanceName(plan.balance()), ")");
   if (plan.split_points_size() > 0) {
     absl::StrAppend(&out, " at ", absl::StrJoin(plan.split_points(), ", "));
   }
@@ -103,75 +70,92 @@ std::string RenderPlan(const PipelinePlan& plan) {
   return out;
 }
 
-}  // namespace
+struct SplitFlags {
+  std::string model;
+  int stages = 0;
+  std::string balance = "params";
+  std::vector<std::string> split_at;
+  std::string example_input;
+  std::string out;
+  bool list_cuts = false;
+};
 
-int RunSplitCommand(int argc, char** argv, int first) {
-  auto args = Args::Parse(argc, argv, first,
-                          {{"stages"}, {"balance"}, {"split-at"}, {"example-input"}, {"out"}, {"output"}, {"list-cuts", false}});
-  if (!args.ok()) return Fail(args.status());
-  if (args->Has("help")) {
-    std::cout << kHelp;
-    return kExitOk;
-  }
-  if (args->positional().size() != 1) {
-    return Fail(absl::InvalidArgumentError("split takes one MODEL.pt (see pippyctl split --help)"));
-  }
-  const std::string model_path = args->positional()[0];
-  const std::string output = args->Get("output", "table");
-  if (output != "table" && output != "json") {
-    return Fail(absl::InvalidArgumentError("--output must be table or json"));
-  }
+int RunSplit(const SplitFlags& f, const GlobalFlags& g) {
   torch::jit::setGraphExecutorOptimize(false);
   partition::SplitOptions opts;
-  auto stages = args->GetInt("stages", 0);
-  if (!stages.ok()) return Fail(stages.status());
-  opts.num_stages = *stages;
-  if (args->Has("stages") && opts.num_stages < 1) {
-    return Fail(absl::InvalidArgumentError("--stages must be at least 1"));
-  }
-  opts.split_at = SplitList(args->Get("split-at"));
-  if (args->Has("split-at") && opts.split_at.empty()) {
-    return Fail(absl::InvalidArgumentError("--split-at needs module paths, e.g. --split-at blocks.4,blocks.8"));
-  }
-  auto balance = partition::ParseBalance(args->Get("balance", "params"));
-  if (!balance.ok()) return Fail(balance.status());
+  opts.num_stages = f.stages;
+  opts.split_at = f.split_at;
+  auto balance = job::ParseBalance(f.balance);
+  if (!balance.ok()) return Fail(kProgram, balance.status());
   opts.balance = *balance;
-  opts.model_name = model_path;
+  opts.model_name = f.model;
 
-  auto model = partition::LoadModel(model_path);
-  if (!model.ok()) return Fail(model.status());
-  if (args->Has("list-cuts")) {
+  auto model = partition::LoadModel(f.model);
+  if (!model.ok()) return Fail(kProgram, model.status());
+  if (f.list_cuts) {
     auto cuts = partition::ListLegalCuts(*model);
-    if (!cuts.ok()) return Fail(cuts.status());
+    if (!cuts.ok()) return Fail(kProgram, cuts.status());
+    if (g.output == "json") {
+      std::cout << "{\"model\": \"" << absl::CEscape(f.model) << "\", \"cuts\": [";
+      for (size_t i = 0; i < cuts->size(); ++i) {
+        const auto& c = (*cuts)[i];
+        std::cout << (i ? ", " : "") << "{\"position\": " << c.position << ", \"name\": \"" << absl::CEscape(c.name)
+                  << "\", \"after\": \"" << absl::CEscape(c.before) << "\", \"before\": \"" << absl::CEscape(c.after)
+                  << "\"}";
+      }
+      std::cout << "]}\n";
+      return kExitOk;
+    }
     Table table({"cut", "--split-at name", "after module", "before module"});
     for (const auto& c : *cuts) {
       table.AddRow({absl::StrCat(c.position), c.name.empty() ? "-" : c.name,
                     c.before.empty() ? "(root)" : c.before, c.after.empty() ? "(root)" : c.after});
     }
-    std::cout << cuts->size() << " legal cut points in " << model_path << "\n\n" << table.Render();
+    std::cout << cuts->size() << " legal cut points in " << f.model << "\n\n" << table.Render();
     return kExitOk;
   }
-  if (args->Has("example-input")) {
-    auto inputs = partition::LoadExampleInputs(args->Get("example-input"), *model);
-    if (!inputs.ok()) return Fail(inputs.status());
+  if (!f.example_input.empty()) {
+    auto inputs = partition::LoadExampleInputs(f.example_input, *model);
+    if (!inputs.ok()) return Fail(kProgram, inputs.status());
     opts.example_inputs = *inputs;
   }
   auto pipe = partition::SplitModel(*model, opts);
-  if (!pipe.ok()) return Fail(pipe.status());
-  if (args->Has("out")) {
-    absl::Status written = partition::WritePipe(*pipe, args->Get("out"));
-    if (!written.ok()) return Fail(written);
+  if (!pipe.ok()) return Fail(kProgram, pipe.status());
+  if (!f.out.empty()) {
+    absl::Status written = partition::WritePipe(*pipe, f.out);
+    if (!written.ok()) return Fail(kProgram, written);
   }
-  if (output == "json") {
+  if (g.output == "json") {
     std::cout << partition::PlanToJson(pipe->plan) << "\n";
   } else {
     std::cout << RenderPlan(pipe->plan);
-    if (args->Has("out")) {
-      std::cout << "\nwrote " << pipe->stages.size() << " stage files and plan.json to "
-                << args->Get("out") << "\n";
-    }
+    if (!f.out.empty()) std::cout << "\nwrote " << pipe->stages.size() << " stage files and plan.json to " << f.out << "\n";
   }
   return kExitOk;
+}
+
+}  // namespace
+
+void AddSplitOptions(CLI::App* cmd, const GlobalFlags& globals, int* exit_code) {
+  auto f = std::make_shared<SplitFlags>();
+  cmd->add_option("MODEL", f->model, "the TorchScript file")->required();
+  cmd->add_option("--stages", f->stages, "automatic split into this many stages")->check(cli::Positive());
+  cmd->add_option("--split-at", f->split_at,
+                  "cut before each named module (paths as in named_modules(), e.g. blocks.4); NAME:end cuts "
+                  "after it")
+      ->delimiter(',');
+  cmd->add_option("--balance", f->balance,
+                  "what an automatic split equalises: params (parameter bytes), flops (2 x multiply-adds of "
+                  "linear/matmul/conv, ~5 per element for norms and softmax, 1 per output element otherwise, "
+                  "with --example-input's shapes) or time (measured forward time on --example-input, min of 3)")
+      ->check(CLI::IsMember({"params", "flops", "time"}))->capture_default_str();
+  cmd->add_option("--example-input", f->example_input,
+                  "a batch written by torch.save: a tensor, a tuple (forward's arguments in order) or a dict "
+                  "{argument name: value}; adds shapes and activation bytes to the plan");
+  cmd->add_option("--out", f->out, "write DIR/stage_N.pt (standalone TorchScript modules with the original "
+                                   "parameter names) and DIR/plan.json");
+  cmd->add_flag("--list-cuts", f->list_cuts, "list every legal cut and its --split-at name instead of splitting");
+  cmd->callback([f, &globals, exit_code] { *exit_code = RunSplit(*f, globals); });
 }
 
 }  // namespace pippy::cli

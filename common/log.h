@@ -10,7 +10,17 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "spdlog/spdlog.h"
+
+// Status messages (absl::string_view) go into log lines as they are.
+template <>
+struct fmt::formatter<absl::string_view> : fmt::formatter<fmt::string_view> {
+  template <typename FormatContext>
+  auto format(absl::string_view s, FormatContext& ctx) const -> decltype(ctx.out()) {
+    return fmt::formatter<fmt::string_view>::format(fmt::string_view(s.data(), s.size()), ctx);
+  }
+};
 
 namespace pippy::log {
 

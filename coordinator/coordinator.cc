@@ -1,32 +1,27 @@
 #include "coordinator/coordinator.h"
 
 #include <algorithm>
+#include <filesystem>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/log.h"
-#include "coordinator/job_validation.h"
+#include "coordinator/job_preparation.h"
+#include "pipeline/job/job_plan.h"
+#include "pipeline/job/job_spec.h"
 #include "pipeline/partition/merge.h"
-#include "pipeline/schedule/schedule.h"
-#include "pipeline/stage/synthetic_data.h"
 
 namespace pippy::coordinator {
 namespace {
-
-constexpr size_t kChunk = 1 << 20;
 
 int64_t NowMs() { return absl::ToUnixMillis(absl::Now()); }
 
 bool Terminal(JobState s) { return s == SUCCEEDED || s == FAILED || s == CANCELLED; }
 
-std::string StagesOfRank(const Job& job, int rank) {
-  auto kind = schedule::ParseScheduleKind(job.spec().schedule().name());  // validated at submission
-  const int v = std::max(job.spec().schedule().stages_per_worker(), 1);
-  const int stages = job.plan().stages_size();
-  std::vector<int> placement = schedule::Placement(kind.ok() ? *kind : schedule::ScheduleKind::kGPipe, stages / v, stages);
+std::string StagesOfRank(const std::vector<int>& stage_to_rank, int rank) {
   std::vector<std::string> out;
-  for (int s = 0; s < stages; ++s) {
-    if (placement[s] == rank) out.push_back(absl::StrCat(s));
+  for (size_t s = 0; s < stage_to_rank.size(); ++s) {
+    if (stage_to_rank[s] == rank) out.push_back(absl::StrCat(s));
   }
   return absl::StrJoin(out, ",");
 }
@@ -35,6 +30,9 @@ std::string StagesOfRank(const Job& job, int rank) {
 
 absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(const Options& options) {
   std::unique_ptr<Coordinator> c(new Coordinator(options));
+  auto artifacts = ArtifactStore::Open(options.state_dir);
+  if (!artifacts.ok()) return artifacts.status();
+  c->artifacts_ = std::move(*artifacts);
   auto store = JobStore::Open(options.state_dir);
   if (!store.ok()) return store.status();
   c->store_ = std::move(*store);
@@ -46,7 +44,9 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(const Options& 
                                     "; submit it again"));
         job.set_state(FAILED);
         job.set_updated_unix_ms(NowMs());
-        c->store_->Put(job).IgnoreError();
+        absl::Status saved = c->store_->Put(job);
+        if (!saved.ok()) log::Warn("job={} could not record that it failed: {}", job.job_id(), saved.message());
+        c->artifacts_->RemoveJobFiles(job.job_id());
       }
       JobEntry entry;
       entry.job = job;
@@ -63,6 +63,7 @@ Coordinator::~Coordinator() {
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
+    for (auto& [id, e] : jobs_) e.stop->store(true);
   }
   if (loop_.joinable()) loop_.join();
 }
@@ -75,50 +76,55 @@ void Coordinator::Deliver(Outbox* out) {
 void Coordinator::Touch(JobEntry& entry) {
   entry.job.set_updated_unix_ms(NowMs());
   ++entry.version;
-  store_->Put(entry.job).IgnoreError();
+  absl::Status saved = store_->Put(entry.job);
+  // The in-memory record stays authoritative; a lost write only costs the record's
+  // freshness after a restart, so it is logged, not fatal.
+  if (!saved.ok()) log::Warn("job={} record not saved: {}", entry.job.job_id(), saved.message());
 }
 
-absl::StatusOr<std::string> Coordinator::SubmitJob(const JobSpec& spec, std::string model, std::string data) {
-  if (data.empty() && !spec.data().synthetic().empty()) {
-    auto made = stage::MakeSyntheticData(spec.data().synthetic());
-    if (!made.ok()) return made.status();
-    data = std::move(*made);
-  }
-  auto validated = ValidateJob(spec, model, data);
-  if (!validated.ok()) return validated.status();
+absl::StatusOr<std::unique_ptr<Upload>> Coordinator::NewUpload() { return artifacts_->NewUpload(); }
+
+absl::StatusOr<std::string> Coordinator::SubmitJob(const JobSpec& spec, std::unique_ptr<Upload> upload) {
+  absl::Status closed = upload->Close();
+  if (!closed.ok()) return closed;
+  absl::StatusOr<PreparedJob> prepared;
   {
-    absl::MutexLock lock(&mu_);
-    const int registered = static_cast<int>(workers_.size());
-    // No workers yet: a cluster starting up; the job waits. Some, but too few: refuse.
-    if (registered > 0 && validated->ranks > registered) {
-      const int v = validated->spec.schedule().stages_per_worker();
-      return absl::InvalidArgumentError(absl::StrCat(
-          "split: the job needs ", validated->ranks, " workers (", validated->plan.stages_size(), " stages, ", v,
-          " per worker) but only ", registered, " are registered; use fewer stages or more stages per worker "
-          "(an interleaved schedule)"));
-    }
+    absl::MutexLock one_model(&model_mu_);
+    prepared = PrepareJob(spec, upload->dir());
   }
+  if (!prepared.ok()) return prepared.status();
   Outbox out;
   std::string id;
   {
     absl::MutexLock lock(&mu_);
+    const int registered = static_cast<int>(workers_.size());
+    // No workers yet: a cluster starting up; the job waits. Some, but too few: refuse.
+    if (registered > 0 && prepared->ranks > registered) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "split: the job needs ", prepared->ranks, " workers (", prepared->plan.stages_size(), " stages, ",
+          prepared->spec.schedule().stages_per_worker(), " per worker) but only ", registered,
+          " are registered; use fewer stages or more stages per worker (an interleaved schedule)"));
+    }
     id = absl::StrCat("job-", next_job_++);
+    absl::Status accepted = artifacts_->Accept(*upload, id);
+    if (!accepted.ok()) return accepted;
     JobEntry entry;
     entry.job.set_job_id(id);
-    *entry.job.mutable_spec() = validated->spec;
-    *entry.job.mutable_plan() = validated->plan;
+    *entry.job.mutable_spec() = prepared->spec;
+    *entry.job.mutable_plan() = prepared->plan;
     entry.job.set_state(QUEUED);
     entry.job.set_created_unix_ms(NowMs());
-    entry.job.set_model_bytes(static_cast<int64_t>(model.size()));
-    entry.model = std::move(model);
-    entry.data = std::move(data);
-    entry.ranks = validated->ranks;
+    entry.job.set_model_bytes(upload->model_bytes());
+    for (int64_t b : prepared->stage_file_bytes) entry.job.add_stage_file_bytes(b);
+    entry.ranks = prepared->ranks;
+    entry.stage_to_rank = prepared->stage_to_rank;
+    entry.share_bytes = prepared->share_bytes;
     Touch(entry);
     jobs_[id] = std::move(entry);
     queue_.push_back(id);
-    log::Info("job={} queued: {} stages on {} workers, schedule {}", id, validated->plan.stages_size(),
-              validated->ranks, validated->spec.schedule().name());
-    Schedule(&out);
+    log::Info("job={} queued: {} stages on {} workers, schedule {}", id, prepared->plan.stages_size(),
+              prepared->ranks, job::ScheduleName(prepared->spec.schedule().kind()));
+    Schedule();
   }
   Deliver(&out);
   return id;
@@ -170,17 +176,15 @@ absl::StatusOr<Job> Coordinator::CancelJob(const std::string& job_id) {
   return result;
 }
 
-absl::StatusOr<std::string> Coordinator::TrainedModel(const std::string& job_id) {
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = jobs_.find(job_id);
-    if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job '", job_id, "'"));
-    if (!it->second.job.model_ready()) {
-      return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " has no trained model yet (state ",
-                                                        JobState_Name(it->second.job.state()), ")"));
-    }
+absl::StatusOr<std::string> Coordinator::ResultPath(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job '", job_id, "'"));
+  if (!it->second.job.model_ready()) {
+    return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " has no trained model yet (state ",
+                                                      JobState_Name(it->second.job.state()), ")"));
   }
-  return store_->GetModel(job_id);
+  return artifacts_->FetchPath(job_id);
 }
 
 std::vector<WorkerInfo> Coordinator::ListWorkers() {
@@ -203,7 +207,8 @@ std::string Coordinator::AddWorker(const RegisterWorker& reg, std::shared_ptr<Wo
     w.info.set_device(reg.device());
     w.info.set_free_memory(reg.free_memory());
     w.info.set_version(reg.version());
-    w.info.set_state("idle");
+    w.info.set_threads(reg.threads());
+    w.info.set_state(IDLE);
     w.info.set_last_heartbeat_unix_ms(NowMs());
     w.channel = channel;
     w.last_heartbeat = absl::Now();
@@ -212,7 +217,7 @@ std::string Coordinator::AddWorker(const RegisterWorker& reg, std::shared_ptr<Wo
     m.mutable_registered()->set_worker_id(id);
     out.emplace_back(channel, m);
     log::Info("worker {} ({}) registered", id, w.info.name());
-    Schedule(&out);
+    Schedule();
   }
   Deliver(&out);
   return id;
@@ -232,7 +237,7 @@ void Coordinator::RemoveWorker(const std::string& worker_id, const std::string& 
       if (job != jobs_.end() && !Terminal(job->second.job.state())) {
         Finish(job->second, FAILED,
                absl::StrCat("worker ", info.name(), " (", worker_id, ", rank ", info.rank(), ", stages ",
-                            StagesOfRank(job->second.job, info.rank()), ") ", why),
+                            StagesOfRank(job->second.stage_to_rank, info.rank()), ") ", why),
                &out);
       }
     }
@@ -244,6 +249,7 @@ void Coordinator::Finish(JobEntry& e, JobState state, const std::string& reason,
   if (Terminal(e.job.state())) return;
   e.job.set_state(state);
   e.job.set_reason(reason);
+  e.stop->store(true);
   log::Info("job={} {}{}", e.job.job_id(), JobState_Name(state), reason.empty() ? "" : ": " + reason);
   queue_.erase(std::remove(queue_.begin(), queue_.end(), e.job.job_id()), queue_.end());
   for (const std::string& wid : e.job.workers()) {
@@ -256,21 +262,20 @@ void Coordinator::Finish(JobEntry& e, JobState state, const std::string& reason,
       out->emplace_back(w->second.channel, m);
       // The worker is idle again once it reports its rank finished (it stops at once).
     } else {
-      w->second.info.set_state("idle");
+      w->second.info.set_state(IDLE);
       w->second.info.clear_job_id();
     }
   }
-  e.model.clear();
-  e.data.clear();
+  artifacts_->RemoveJobFiles(e.job.job_id());
   Touch(e);
 }
 
-void Coordinator::Schedule(Outbox* out) {
+void Coordinator::Schedule() {
   for (auto it = queue_.begin(); it != queue_.end();) {
     JobEntry& e = jobs_[*it];
     std::vector<std::string> idle;
     for (const auto& [id, w] : workers_) {
-      if (w.info.state() == "idle") idle.push_back(id);
+      if (w.info.state() == IDLE) idle.push_back(id);
     }
     if (static_cast<int>(idle.size()) < e.ranks) {
       ++it;  // later jobs that fit may go first on the remaining workers
@@ -280,49 +285,130 @@ void Coordinator::Schedule(Outbox* out) {
     it = queue_.erase(it);
     e.job.set_state(PARTITIONING);  // the plan was made at submission; nothing else to do here
     Touch(e);
-    Place(e, idle, out);
+    Place(e, idle);
   }
 }
 
-void Coordinator::Place(JobEntry& e, const std::vector<std::string>& workers, Outbox* out) {
+void Coordinator::Place(JobEntry& e, const std::vector<std::string>& workers) {
+  const std::string& job_id = e.job.job_id();
   e.job.set_state(PLACING);
   e.job.clear_workers();
+  absl::StatusOr<schedule::Schedule> sched = job::ScheduleFor(e.job.spec(), e.job.plan());
   for (size_t r = 0; r < workers.size(); ++r) {
+    const int rank = static_cast<int>(r);
     WorkerEntry& w = workers_[workers[r]];
-    w.info.set_state("busy");
-    w.info.set_job_id(e.job.job_id());
-    w.info.set_rank(static_cast<int>(r));
+    w.info.set_state(BUSY);
+    w.info.set_job_id(job_id);
+    w.info.set_rank(rank);
+    w.info.clear_stages();
+    w.info.set_bytes_received(0);
+    w.info.set_loaded_param_bytes(0);
     e.job.add_workers(workers[r]);
     CoordinatorMessage a;
     Assignment* as = a.mutable_assignment();
-    as->set_job_id(e.job.job_id());
+    as->set_job_id(job_id);
     *as->mutable_spec() = e.job.spec();
-    as->set_rank(static_cast<int>(r));
+    as->set_rank(rank);
     as->set_world_size(static_cast<int>(workers.size()));
-    *as->mutable_plan() = e.job.plan();
-    as->set_model_bytes(static_cast<int64_t>(e.model.size()));
-    as->set_data_bytes(static_cast<int64_t>(e.data.size()));
-    out->emplace_back(w.channel, a);
-    for (bool model : {true, false}) {
-      const std::string& bytes = model ? e.model : e.data;
-      for (size_t off = 0; off < bytes.size() || off == 0; off += kChunk) {
-        CoordinatorMessage c;
-        DataChunk* d = c.mutable_data();
-        d->set_job_id(e.job.job_id());
-        d->set_model(model);
-        d->set_chunk(bytes.substr(off, kChunk));
-        d->set_last_chunk(off + kChunk >= bytes.size());
-        out->emplace_back(w.channel, c);
-        if (bytes.empty()) break;
-      }
+    // The schedule was made and validated at submission; it cannot fail here.
+    *as->mutable_plan() = sched.ok() ? job::PlanSliceFor(e.job.plan(), *sched, rank) : e.job.plan();
+    std::vector<std::pair<int, std::string>> files;
+    for (size_t s = 0; s < e.stage_to_rank.size(); ++s) {
+      if (e.stage_to_rank[s] != rank) continue;
+      Assignment::StageFile* f = as->add_stages();
+      f->set_stage(static_cast<int>(s));
+      f->set_bytes(e.job.stage_file_bytes(static_cast<int>(s)));
+      w.info.add_stages(static_cast<int>(s));
+      files.emplace_back(static_cast<int>(s), artifacts_->StagePath(job_id, static_cast<int>(s)));
     }
+    as->set_data_bytes(e.share_bytes[r]);
+    tasks_.Run([this, channel = w.channel, a = std::move(a), files = std::move(files),
+                share = artifacts_->SharePath(job_id, rank), stop = e.stop]() mutable {
+      SendAssignment(std::move(channel), std::move(a), std::move(files), std::move(share), std::move(stop));
+    });
   }
-  log::Info("job={} placing on {}", e.job.job_id(), absl::StrJoin(workers, ", "));
+  log::Info("job={} placing on {}", job_id, absl::StrJoin(workers, ", "));
   Touch(e);
 }
 
-void Coordinator::OnWorkerMessage(const std::string& worker_id, const WorkerMessage& m) {
+void Coordinator::SendAssignment(std::shared_ptr<WorkerChannel> channel, CoordinatorMessage assignment,
+                                 std::vector<std::pair<int, std::string>> stage_files, std::string share_file,
+                                 std::shared_ptr<std::atomic<bool>> stop) {
+  const std::string job_id = assignment.assignment().job_id();
+  const int rank = assignment.assignment().rank();
+  if (!channel->Send(assignment)) return;  // the worker is gone; RemoveWorker fails the job
+  const auto start = absl::Now();
+  int64_t sent = 0;
+  for (const auto& [stage, path] : stage_files) {
+    const int64_t size = ArtifactStore::FileSize(path);
+    int64_t offset = 0;
+    absl::Status s = ArtifactStore::StreamFile(path, options_.chunk_bytes, [&](absl::string_view piece) {
+      if (stop->load()) return false;
+      offset += static_cast<int64_t>(piece.size());
+      CoordinatorMessage m;
+      StageChunk* c = m.mutable_stage();
+      c->set_job_id(job_id);
+      c->set_stage(stage);
+      c->set_chunk(piece.data(), piece.size());
+      c->set_last_chunk(offset == size);
+      return channel->Send(m);
+    });
+    if (!s.ok()) {
+      if (!absl::IsCancelled(s)) log::Error("job={} rank={} cannot send stage {}: {}", job_id, rank, stage, s.message());
+      return;
+    }
+    sent += size;
+  }
+  const int64_t share_size = std::max<int64_t>(ArtifactStore::FileSize(share_file), 0);
+  int64_t offset = 0;
+  auto send_data = [&](absl::string_view piece) {
+    if (stop->load()) return false;
+    offset += static_cast<int64_t>(piece.size());
+    CoordinatorMessage m;
+    DataChunk* c = m.mutable_data();
+    c->set_job_id(job_id);
+    c->set_chunk(piece.data(), piece.size());
+    c->set_last_chunk(offset == share_size);
+    return channel->Send(m);
+  };
+  if (share_size == 0) {
+    send_data("");
+  } else {
+    absl::Status s = ArtifactStore::StreamFile(share_file, options_.chunk_bytes, send_data);
+    if (!s.ok()) {
+      if (!absl::IsCancelled(s)) log::Error("job={} rank={} cannot send its data: {}", job_id, rank, s.message());
+      return;
+    }
+  }
+  sent += share_size;
+  log::Info("job={} rank={} sent {} bytes (stages and data share) in {}", job_id, rank, sent,
+            absl::FormatDuration(absl::Now() - start));
+}
+
+void Coordinator::OnResultChunk(const std::string& job_id, int stage, const std::string& chunk, bool last) {
+  absl::Status s = artifacts_->AppendResult(job_id, stage, chunk, last);
+  if (s.ok()) return;
   Outbox out;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(job_id);
+    if (it != jobs_.end()) Finish(it->second, FAILED, std::string(s.message()), &out);
+  }
+  Deliver(&out);
+}
+
+void Coordinator::OnWorkerMessage(const std::string& worker_id, const WorkerMessage& m) {
+  // Results go to disk as they come, outside the lock.
+  if (m.has_stage_result()) {
+    OnResultChunk(m.stage_result().job_id(), m.stage_result().stage(), m.stage_result().chunk(),
+                  m.stage_result().last_chunk());
+  } else if (m.has_output()) {
+    OnResultChunk(m.output().job_id(), -1, m.output().chunk(), m.output().last_chunk());
+  }
+  Outbox out;
+  std::string assemble_job;
+  bool assemble_inference = false;
+  int assemble_stages = 0;
   {
     absl::MutexLock lock(&mu_);
     auto w = workers_.find(worker_id);
@@ -332,17 +418,18 @@ void Coordinator::OnWorkerMessage(const std::string& worker_id, const WorkerMess
     std::string job_id;
     if (m.has_address()) job_id = m.address().job_id();
     if (m.has_step()) job_id = m.step().job_id();
-    if (m.has_stage_result()) job_id = m.stage_result().job_id();
     if (m.has_finished()) job_id = m.finished().job_id();
     auto jit = job_id.empty() ? jobs_.end() : jobs_.find(job_id);
     if (m.has_finished() && w->second.info.job_id() == job_id) {
-      w->second.info.set_state("idle");
+      w->second.info.set_state(IDLE);
       w->second.info.clear_job_id();
     }
     if (jit != jobs_.end() && !Terminal(jit->second.job.state())) {
       JobEntry& e = jit->second;
       if (m.has_address()) {
         e.addresses[m.address().rank()] = m.address().ucx_address();
+        w->second.info.set_bytes_received(m.address().bytes_received());
+        w->second.info.set_loaded_param_bytes(m.address().loaded_param_bytes());
         if (static_cast<int>(e.addresses.size()) == e.ranks) {
           CoordinatorMessage p;
           p.mutable_peers()->set_job_id(job_id);
@@ -362,44 +449,69 @@ void Coordinator::OnWorkerMessage(const std::string& worker_id, const WorkerMess
             if (r.has_loss()) loss = r.loss();
           }
           e.job.set_step(m.step().step() + 1);
-          if (e.job.spec().mode() == "train") e.job.add_losses(loss);
+          if (e.job.spec().mode() == MODE_TRAIN) e.job.add_losses(loss);
           e.job.set_samples_per_second(step_s > 0 ? e.job.spec().batch_size() / step_s : 0);
           e.job.set_bubble_fraction(step_s > 0 ? std::max(0.0, 1.0 - busy / (e.ranks * step_s)) : 0);
           e.reports.erase(m.step().step());
           Touch(e);
         }
-      } else if (m.has_stage_result()) {
-        e.stage_bytes[m.stage_result().stage()] += m.stage_result().chunk();
       } else if (m.has_finished()) {
         if (!m.finished().ok()) {
           Finish(e, FAILED, absl::StrCat("rank ", m.finished().rank(), " on worker ", w->second.info.name(), ": ",
                                          m.finished().error()),
                  &out);
         } else {
-          e.finished[m.finished().rank()] = true;
-          if (static_cast<int>(e.finished.size()) == e.ranks) OnStageDone(e, &out);
+          e.finished.insert(m.finished().rank());
+          if (static_cast<int>(e.finished.size()) == e.ranks && !e.assembling) {
+            e.assembling = true;
+            assemble_job = job_id;
+            assemble_inference = e.job.spec().mode() == MODE_INFERENCE;
+            assemble_stages = e.job.plan().stages_size();
+          }
         }
       }
     }
   }
   Deliver(&out);
+  if (!assemble_job.empty()) {
+    tasks_.Run([this, assemble_job, assemble_inference, assemble_stages] {
+      Assemble(assemble_job, assemble_inference, assemble_stages);
+    });
+  }
 }
 
-void Coordinator::OnStageDone(JobEntry& e, Outbox* out) {
-  if (e.job.spec().mode() == "inference") {
-    // The last stage's rank sent the outputs as stage -1.
-    absl::Status s = store_->PutModel(e.job.job_id(), e.stage_bytes[-1]);
-    if (!s.ok()) return Finish(e, FAILED, std::string(s.message()), out);
-    e.job.set_model_ready(true);
+void Coordinator::Assemble(const std::string& job_id, bool inference, int stages) {
+  const auto start = absl::Now();
+  const std::string assembled = artifacts_->JobDir(job_id) + "/assembled.pt";
+  absl::Status s;
+  if (!artifacts_->ResultsComplete(job_id, inference ? -1 : stages)) {
+    s = absl::DataLossError(inference ? "the last rank finished without sending all of its outputs"
+                                      : "a rank finished without sending all of its trained stages");
+  } else if (inference) {
+    std::error_code ec;
+    std::filesystem::rename(artifacts_->OutputsPath(job_id), assembled, ec);
+    if (ec) s = absl::UnavailableError(absl::StrCat("cannot keep the outputs: ", ec.message()));
   } else {
-    auto merged = partition::MergeStagesIntoModel(e.model, e.stage_bytes);
-    if (!merged.ok()) return Finish(e, FAILED, std::string(merged.status().message()), out);
-    absl::Status s = store_->PutModel(e.job.job_id(), *merged);
-    if (!s.ok()) return Finish(e, FAILED, std::string(s.message()), out);
-    e.job.set_model_ready(true);
+    std::map<int, std::string> results;
+    for (int st = 0; st < stages; ++st) results[st] = artifacts_->ResultPath(job_id, st);
+    absl::MutexLock one_model(&model_mu_);
+    s = partition::MergeStagesIntoModel(artifacts_->ModelPath(job_id), results, assembled);
   }
-  e.stage_bytes.clear();
-  Finish(e, SUCCEEDED, "", out);
+  Outbox out;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(job_id);
+    if (it == jobs_.end() || Terminal(it->second.job.state())) return;  // cancelled meanwhile
+    if (s.ok()) s = artifacts_->Publish(job_id, assembled);
+    if (!s.ok()) {
+      Finish(it->second, FAILED, absl::StrCat("assembling the result: ", s.message()), &out);
+    } else {
+      it->second.job.set_model_ready(true);
+      log::Info("job={} result assembled in {}", job_id, absl::FormatDuration(absl::Now() - start));
+      Finish(it->second, SUCCEEDED, "", &out);
+    }
+  }
+  Deliver(&out);
 }
 
 void Coordinator::Loop() {
@@ -417,7 +529,7 @@ void Coordinator::Loop() {
                                              absl::FormatDuration(now - w.last_heartbeat), ")"));
         }
       }
-      Schedule(&out);
+      Schedule();
     }
     Deliver(&out);
     for (const auto& [id, why] : dead) RemoveWorker(id, why);

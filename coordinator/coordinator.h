@@ -1,10 +1,21 @@
 // The coordinator's service logic, apart from gRPC (the adapter is grpc_service.h).
 //
 // Jobs: QUEUED -> PARTITIONING -> PLACING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED,
-// the reason for a failure kept on the job. A job waits in the queue until enough
-// idle workers are registered; several jobs run at once on disjoint workers. Job
-// records persist in SQLite (JobStore); after a restart, jobs that were not finished
-// are FAILED with that reason.
+// the reason for a failure kept on the job. A submission is prepared once, when it
+// arrives (job_preparation.h): the model is split, each stage written to its own file
+// and each rank's share of the data cut, all under the state directory; an invalid
+// submission is refused then, with INVALID_ARGUMENT naming the field. A job waits in
+// the queue until enough idle workers are registered; several jobs run at once on
+// disjoint workers. Placing a job streams to each worker, in parallel, only its
+// stages' files and its share of the data. When every rank has finished, the trained
+// stages (sent back in chunks, written to disk as they come) are put back into the
+// submitted model, which FetchModel then serves from a file.
+//
+// Memory: at most one model is loaded at a time (preparing a submission or assembling
+// a result), plus the largest stage of a result being assembled. Files move in chunks.
+//
+// Job records persist in SQLite (JobStore); after a restart, jobs that were not
+// finished are FAILED with that reason.
 //
 // Workers: each has one WorkerChannel (its stream). A worker whose stream breaks or
 // whose heartbeats stop for `heartbeat_timeout` is removed, and its job fails with a
@@ -12,12 +23,16 @@
 // and return to idle when they report back.
 //
 // Thread safety: every public method may be called from any thread. One mutex guards
-// all state; messages to workers are sent after it is released.
+// the jobs and workers; messages to workers are sent after it is released, and file
+// work (preparation, streaming, assembling) runs outside it — on the caller's thread
+// for SubmitJob, on the coordinator's task threads otherwise.
 #ifndef PIPPY_COORDINATOR_COORDINATOR_H_
 #define PIPPY_COORDINATOR_COORDINATOR_H_
 
+#include <atomic>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -25,12 +40,16 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "coordinator/artifact_store.h"
 #include "coordinator/job_store.h"
+#include "coordinator/task_runner.h"
 #include "proto/coordinator.pb.h"
 
 namespace pippy::coordinator {
 
-// How the logic reaches one connected worker. Send returns false when the stream is gone.
+// How the logic reaches one connected worker. Send returns false when the stream is
+// gone. Send may be called from several threads at once (the implementation orders
+// them), and may block while the worker is slow to read.
 class WorkerChannel {
  public:
   virtual ~WorkerChannel() = default;
@@ -43,18 +62,28 @@ class Coordinator {
     std::string state_dir;
     absl::Duration heartbeat_timeout = absl::Seconds(10);
     absl::Duration tick = absl::Milliseconds(100);
+    size_t chunk_bytes = 1 << 20;  // pieces of the files streamed to workers
   };
 
+  // Errors: UNAVAILABLE when the state directory cannot be opened.
   static absl::StatusOr<std::unique_ptr<Coordinator>> Create(const Options& options);
   ~Coordinator();
 
   // ---- users ----
-  // Errors: INVALID_ARGUMENT naming the field (spec, model, data).
-  absl::StatusOr<std::string> SubmitJob(const JobSpec& spec, std::string model, std::string data);
+  // A place for a submission's model and data while they arrive (removed unless the
+  // job is accepted). Errors: UNAVAILABLE.
+  absl::StatusOr<std::unique_ptr<Upload>> NewUpload();
+  // Prepares the job from the spec and the finished upload, and queues it.
+  // Errors: INVALID_ARGUMENT naming the field (spec, model, data, split, schedule), or
+  // when more workers are needed than are registered (none registered: it waits).
+  absl::StatusOr<std::string> SubmitJob(const JobSpec& spec, std::unique_ptr<Upload> upload);
   absl::StatusOr<Job> GetJob(const std::string& job_id);
   std::vector<Job> ListJobs();
+  // Errors: NOT_FOUND; FAILED_PRECONDITION for a job that already ended.
   absl::StatusOr<Job> CancelJob(const std::string& job_id);
-  absl::StatusOr<std::string> TrainedModel(const std::string& job_id);
+  // The file FetchModel serves: the trained model, or an inference job's outputs.
+  // Errors: NOT_FOUND; FAILED_PRECONDITION while the job has none (yet).
+  absl::StatusOr<std::string> ResultPath(const std::string& job_id);
   // Blocks until the job differs from `*version` (or `timeout`); updates *version.
   absl::StatusOr<Job> WaitForChange(const std::string& job_id, int64_t* version, absl::Duration timeout);
   std::vector<WorkerInfo> ListWorkers();
@@ -67,14 +96,16 @@ class Coordinator {
  private:
   struct JobEntry {
     Job job;
-    std::string model;
-    std::string data;
     int ranks = 0;
+    std::vector<int> stage_to_rank;
+    std::vector<int64_t> share_bytes;   // by rank
     int64_t version = 0;
     std::map<int, std::string> addresses;             // rank -> UCX address
     std::map<int, std::vector<StepReport>> reports;   // step -> reports
-    std::map<int, std::string> stage_bytes;           // stage -> trained archive
-    std::map<int, bool> finished;                      // rank -> ok
+    std::set<int> finished;                           // ranks that finished ok
+    bool assembling = false;                          // the result is being assembled
+    // Set when the job ends: its file senders stop.
+    std::shared_ptr<std::atomic<bool>> stop = std::make_shared<std::atomic<bool>>(false);
   };
   struct WorkerEntry {
     WorkerInfo info;
@@ -85,17 +116,28 @@ class Coordinator {
 
   explicit Coordinator(const Options& options) : options_(options) {}
   void Loop();
-  void Schedule(Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Place(JobEntry& entry, const std::vector<std::string>& workers, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Places queued jobs on idle workers (their files stream from task threads).
+  void Schedule() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Place(JobEntry& entry, const std::vector<std::string>& workers) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Streams rank `rank`'s assignment, stage files and data share to its worker.
+  void SendAssignment(std::shared_ptr<WorkerChannel> channel, CoordinatorMessage assignment,
+                      std::vector<std::pair<int, std::string>> stage_files, std::string share_file,
+                      std::shared_ptr<std::atomic<bool>> stop);
   void Finish(JobEntry& entry, JobState state, const std::string& reason, Outbox* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Touch(JobEntry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void OnStageDone(JobEntry& entry, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // All ranks finished: assemble the trained model (or publish the outputs) on a task
+  // thread, then end the job.
+  void Assemble(const std::string& job_id, bool inference, int stages);
+  void OnResultChunk(const std::string& job_id, int stage, const std::string& chunk, bool last);
   static void Deliver(Outbox* out);
 
   const Options options_;
   std::unique_ptr<JobStore> store_;
-  std::thread loop_;
+  std::unique_ptr<ArtifactStore> artifacts_;
+  // Serialises the work that loads a whole model (preparing, assembling): the
+  // coordinator holds at most one model in memory.
+  absl::Mutex model_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   int64_t next_job_ ABSL_GUARDED_BY(mu_) = 1;
@@ -103,6 +145,9 @@ class Coordinator {
   std::map<std::string, JobEntry> jobs_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> queue_ ABSL_GUARDED_BY(mu_);  // queued job ids, oldest first
   std::map<std::string, WorkerEntry> workers_ ABSL_GUARDED_BY(mu_);
+  std::thread loop_;
+  // Declared last: destroyed (its threads joined) first.
+  TaskRunner tasks_;
 };
 
 }  // namespace pippy::coordinator

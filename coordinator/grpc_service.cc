@@ -1,28 +1,30 @@
 #include "coordinator/grpc_service.h"
 
-#include <mutex>
-
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "coordinator/artifact_store.h"
 
 namespace pippy::coordinator {
 namespace {
 
-// A worker's stream as seen by the logic; writes stop when the handler returns.
+// A worker's stream as seen by the logic; writes stop when the handler returns. Sends
+// from several threads (file senders, the logic) are serialised: gRPC allows one
+// outstanding write per stream.
 class StreamChannel : public WorkerChannel {
  public:
   explicit StreamChannel(grpc::ServerReaderWriter<CoordinatorMessage, WorkerMessage>* s) : stream_(s) {}
   bool Send(const CoordinatorMessage& m) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     return stream_ != nullptr && stream_->Write(m);
   }
   void Close() {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     stream_ = nullptr;
   }
 
  private:
-  std::mutex mu_;
-  grpc::ServerReaderWriter<CoordinatorMessage, WorkerMessage>* stream_;
+  absl::Mutex mu_;
+  grpc::ServerReaderWriter<CoordinatorMessage, WorkerMessage>* stream_ ABSL_GUARDED_BY(mu_);
 };
 
 ProgressEvent EventOf(const Job& job) {
@@ -54,13 +56,26 @@ grpc::Status CoordinatorGrpc::SubmitJob(grpc::ServerContext*, grpc::ServerReader
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "spec: the first message of SubmitJob must be the job spec");
   }
   JobSpec spec = req.spec();
-  std::string model, data;
+  // The chunks go to disk as they arrive: no copy of the model is held here.
+  auto upload = logic_->NewUpload();
+  if (!upload.ok()) return ToGrpc(upload.status());
+  bool data_started = false;
   while (reader->Read(&req)) {
-    if (req.has_model_chunk()) model += req.model_chunk();
-    else if (req.has_data_chunk()) data += req.data_chunk();
-    else return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "spec: sent twice; send it once, first");
+    absl::Status s;
+    if (req.has_model_chunk()) {
+      if (data_started) {
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "model: send the model's chunks before the data's");
+      }
+      s = (*upload)->AppendModel(req.model_chunk());
+    } else if (req.has_data_chunk()) {
+      data_started = true;
+      s = (*upload)->AppendData(req.data_chunk());
+    } else {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "spec: sent twice; send it once, first");
+    }
+    if (!s.ok()) return ToGrpc(s);
   }
-  auto id = logic_->SubmitJob(spec, std::move(model), std::move(data));
+  auto id = logic_->SubmitJob(spec, std::move(*upload));
   if (!id.ok()) return ToGrpc(id.status());
   response->set_job_id(*id);
   return grpc::Status::OK;
@@ -101,15 +116,16 @@ grpc::Status CoordinatorGrpc::CancelJob(grpc::ServerContext*, const CancelJobReq
 
 grpc::Status CoordinatorGrpc::FetchModel(grpc::ServerContext*, const FetchModelRequest* request,
                                          grpc::ServerWriter<ModelChunk>* writer) {
-  auto bytes = logic_->TrainedModel(request->job_id());
-  if (!bytes.ok()) return ToGrpc(bytes.status());
+  auto path = logic_->ResultPath(request->job_id());
+  if (!path.ok()) return ToGrpc(path.status());
   constexpr size_t kChunk = 1 << 20;
-  for (size_t off = 0; off < bytes->size(); off += kChunk) {
+  absl::Status s = ArtifactStore::StreamFile(*path, kChunk, [&](absl::string_view piece) {
     ModelChunk c;
-    c.set_data(bytes->substr(off, kChunk));
-    if (!writer->Write(c)) break;
-  }
-  return grpc::Status::OK;
+    c.set_data(piece.data(), piece.size());
+    return writer->Write(c);
+  });
+  if (absl::IsCancelled(s)) return grpc::Status(grpc::StatusCode::CANCELLED, "the client stopped reading");
+  return ToGrpc(s);
 }
 
 grpc::Status CoordinatorGrpc::ListWorkers(grpc::ServerContext*, const ListWorkersRequest*,

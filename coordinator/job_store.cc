@@ -3,19 +3,17 @@
 #include <sqlite3.h>
 
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
 
 namespace pippy::coordinator {
 
 absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& dir) {
   std::error_code ec;
-  std::filesystem::create_directories(dir + "/models", ec);
+  std::filesystem::create_directories(dir, ec);
   if (ec) return absl::UnavailableError(absl::StrCat("cannot create state directory '", dir, "': ", ec.message()));
   std::unique_ptr<JobStore> store(new JobStore());
-  store->dir_ = dir;
   const std::string path = dir + "/jobs.db";
   absl::MutexLock lock(&store->mu_);
   if (sqlite3_open(path.c_str(), &store->db_) != SQLITE_OK) {
@@ -62,29 +60,14 @@ std::vector<Job> JobStore::List() {
     Job job;
     const void* data = sqlite3_column_blob(st, 0);
     int n = sqlite3_column_bytes(st, 0);
-    if (job.ParseFromArray(data, n)) out.push_back(job);
+    if (job.ParseFromArray(data, n)) {
+      out.push_back(job);
+    } else {
+      log::Warn("a job record in jobs.db does not parse (written by another version?); skipped");
+    }
   }
   sqlite3_finalize(st);
   return out;
-}
-
-absl::Status JobStore::PutModel(const std::string& job_id, const std::string& bytes) {
-  const std::string path = absl::StrCat(dir_, "/models/", job_id, ".pt");
-  const std::string tmp = path + ".tmp";
-  std::ofstream(tmp, std::ios::binary) << bytes;
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) return absl::UnavailableError(absl::StrCat("writing '", path, "': ", ec.message()));
-  return absl::OkStatus();
-}
-
-absl::StatusOr<std::string> JobStore::GetModel(const std::string& job_id) {
-  const std::string path = absl::StrCat(dir_, "/models/", job_id, ".pt");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("job ", job_id, " has no trained model"));
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
 }
 
 }  // namespace pippy::coordinator

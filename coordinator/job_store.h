@@ -1,5 +1,5 @@
 // Job records in SQLite under the coordinator's state directory, so ListJobs survives
-// a restart; trained models are files beside it (models/<job>.pt).
+// a restart. Files (models, stages, results) are the ArtifactStore's.
 //
 // Thread safety: all methods may be called from any thread (one internal mutex).
 #ifndef PIPPY_COORDINATOR_JOB_STORE_H_
@@ -23,14 +23,13 @@ class JobStore {
   static absl::StatusOr<std::unique_ptr<JobStore>> Open(const std::string& dir);
   ~JobStore();
 
+  // Errors: UNAVAILABLE with SQLite's message.
   absl::Status Put(const Job& job);
+  // Every record, oldest first; records that do not parse are skipped (logged).
   std::vector<Job> List();
-  absl::Status PutModel(const std::string& job_id, const std::string& bytes);
-  absl::StatusOr<std::string> GetModel(const std::string& job_id);
 
  private:
   JobStore() = default;
-  std::string dir_;
   absl::Mutex mu_;
   sqlite3* db_ ABSL_GUARDED_BY(mu_) = nullptr;
 };

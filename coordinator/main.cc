@@ -1,73 +1,77 @@
-// pippy-coordinator: wires the service logic to gRPC and parses flags; nothing else.
+// pippy-coordinator: parses flags, wires the service logic to gRPC; nothing else.
 #include <chrono>
 #include <csignal>
-#include <thread>
+#include <cstdio>
 #include <fstream>
-#include <iostream>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "client/args.h"
-#include "client/exit_codes.h"
+#include "common/cli.h"
 #include "common/log.h"
 #include "coordinator/grpc_service.h"
 #include "grpcpp/grpcpp.h"
 
 namespace {
 
-constexpr char kHelp[] = R"(usage: pippy-coordinator [--bind ADDR] [--port P] [--state-dir DIR]
-                         [--heartbeat-timeout-s S] [--port-file FILE] [--log-level L]
-
-  --bind ADDR            address to listen on (default 0.0.0.0)
-  --port P               gRPC port (default 7070; 0 lets the OS choose — see --port-file)
-  --state-dir DIR        job records (SQLite) and trained models (default ./pippy-state)
-  --heartbeat-timeout-s  a worker silent this long is removed and its job fails (default 10)
-  --port-file FILE       write the port actually bound (for port 0)
-  --log-level L          debug | info | warn | error (default info)
-)";
-
+constexpr char kProgram[] = "pippy-coordinator";
 std::unique_ptr<grpc::Server> g_server;
 
 }  // namespace
 
 int main(int argc, char** argv) {
   using namespace pippy;
-  auto args = cli::Args::Parse(argc, argv, 1,
-                               {{"bind"}, {"port"}, {"state-dir"}, {"heartbeat-timeout-s"}, {"port-file"}, {"log-level"}});
-  if (!args.ok()) return cli::Fail(args.status());
-  if (args->Has("help")) {
-    std::cout << kHelp;
-    return 0;
-  }
-  absl::Status logging = log::InitWithLevel("coordinator", args->Get("log-level", "info"));
-  if (!logging.ok()) return cli::Fail(logging);
-  auto port = args->GetInt("port", 7070);
-  auto hb = args->GetDouble("heartbeat-timeout-s", 10);
-  if (!port.ok()) return cli::Fail(port.status());
-  if (!hb.ok()) return cli::Fail(hb.status());
+  CLI::App app("Splits submitted TorchScript models into pipeline stages, places them on pippy-worker "
+               "daemons and follows the jobs (docs/api.md).",
+               kProgram);
+  cli::Configure(app);
+  std::string bind = "0.0.0.0", state_dir = "pippy-state", port_file, log_level = "info";
+  int port = 7070;
+  double heartbeat_timeout_s = 10;
+  int max_message_mib = 16;
+  app.add_option("--bind", bind, "address to listen on")->capture_default_str();
+  app.add_option("--port", port, "gRPC port; 0 lets the OS choose (see --port-file)")->check(CLI::Range(0, 65535))->capture_default_str();
+  app.add_option("--state-dir", state_dir,
+                 "job records (SQLite), submitted models, stage files and trained models")
+      ->envname("PIPPY_STATE_DIR")->capture_default_str();
+  app.add_option("--heartbeat-timeout-s", heartbeat_timeout_s,
+                 "a worker silent this long is removed and its job fails")
+      ->check(cli::Positive())->capture_default_str();
+  app.add_option("--port-file", port_file, "write the port actually bound to this file (for --port 0)");
+  app.add_option("--max-message-mib", max_message_mib,
+                 "largest gRPC message accepted; files travel in 1 MiB chunks, so models of any size fit")
+      ->check(CLI::Range(2, 2047))->capture_default_str();
+  app.add_option("--log-level", log_level, "debug | info | warn | error")
+      ->check(CLI::IsMember({"debug", "info", "warn", "error", "off"}))->capture_default_str();
+  if (auto code = cli::Parse(app, argc, argv)) return *code;
+
+  absl::Status logging = log::InitWithLevel("coordinator", log_level);
+  if (!logging.ok()) return cli::Fail(kProgram, logging);
   coordinator::Coordinator::Options opts;
-  opts.state_dir = args->Get("state-dir", "pippy-state");
-  opts.heartbeat_timeout = absl::Seconds(*hb);
+  opts.state_dir = state_dir;
+  opts.heartbeat_timeout = absl::Seconds(heartbeat_timeout_s);
   auto logic = coordinator::Coordinator::Create(opts);
-  if (!logic.ok()) return cli::Fail(logic.status());
+  if (!logic.ok()) return cli::Fail(kProgram, logic.status());
   coordinator::CoordinatorGrpc api(logic->get());
   coordinator::WorkerHubGrpc hub(logic->get());
   grpc::ServerBuilder builder;
   int bound = 0;
-  builder.AddListeningPort(absl::StrCat(args->Get("bind", "0.0.0.0"), ":", *port), grpc::InsecureServerCredentials(),
-                           &bound);
-  builder.SetMaxReceiveMessageSize(64 << 20);
+  builder.AddListeningPort(absl::StrCat(bind, ":", port), grpc::InsecureServerCredentials(), &bound);
+  builder.SetMaxReceiveMessageSize(max_message_mib << 20);
   builder.RegisterService(&api);
   builder.RegisterService(&hub);
   g_server = builder.BuildAndStart();
   if (!g_server || bound == 0) {
-    return cli::Fail(absl::UnavailableError(absl::StrCat("cannot listen on port ", *port, " (in use?)")));
+    return cli::Fail(kProgram, absl::UnavailableError(absl::StrCat("cannot listen on ", bind, ":", port,
+                                                                   " (in use? another --port, or --port 0)")));
   }
-  if (args->Has("port-file")) {
-    const std::string tmp = args->Get("port-file") + ".tmp";
+  if (!port_file.empty()) {
+    const std::string tmp = port_file + ".tmp";
     std::ofstream(tmp) << bound << "\n";
-    std::rename(tmp.c_str(), args->Get("port-file").c_str());
+    if (std::rename(tmp.c_str(), port_file.c_str()) != 0) {
+      return cli::Fail(kProgram, absl::PermissionDeniedError(absl::StrCat("cannot write --port-file ", port_file)));
+    }
   }
-  log::Info("pippy-coordinator listening on {}:{} (state in {})", args->Get("bind", "0.0.0.0"), bound, opts.state_dir);
+  log::Info("pippy-coordinator listening on {}:{} (state in {})", bind, bound, state_dir);
   // Workers keep their streams open forever: cancel what is still open after 2 s.
   auto stop = [](int) {
     std::thread([] { g_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2)); }).detach();

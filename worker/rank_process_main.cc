@@ -1,19 +1,20 @@
-// pippy-rank: runs ONE pipeline rank as its own process, over UCX — the engine the
-// worker daemon wraps (the daemon adds registration, assignments and progress over
-// gRPC). Every rank splits the same model the same way, so no stage files are
-// shipped; ranks find each other through a rendezvous folder.
+// pippy-rank: runs ONE pipeline rank as its own process over UCX — the engine the
+// worker daemon wraps, without the control plane. It loads only its own stages from a
+// folder written by `pippyctl split --out DIR` (stage_N.pt and plan.json), sets the
+// rank up with job::RankJob exactly as pippy-worker does, and finds its peers through
+// a rendezvous folder.
 //
-//   pippy-rank --rank R --world N --rendezvous DIR --model M.pt --schedule NAME
-//              [--stages-per-rank V] --microbatches M --steps S --input FILE --target FILE
-//              [--loss mse|cross_entropy|model] [--optimizer sgd|adam|adamw] [--lr X]
-//              [--momentum X] [--weight-decay X] [--clip-grad-norm X] [--tls sm,self]
-//              [--timeout-s T] --out DIR
+//   pippy-rank --rank R --world N --rendezvous DIR --stages-dir DIR --schedule NAME
+//              --microbatches M --batch-size B --steps S --data FILE --out DIR
+//              [--stages-per-rank V] [--loss L] [--optimizer O] [--lr X] [--momentum X]
+//              [--weight-decay X] [--clip-grad-norm X] [--seed N] [--tls sm,self]
+//              [--timeout-s T]
 //
+// --data is what `pippyctl submit --data` takes: torch.save({"inputs": ..., "targets": ...}).
 // Writes DIR/stage_<s>.pt for the stages it held (trained) and prints one line per
-// step: "rank=R step=k loss=... busy_s=... step_s=...". Exit 0 on success; 2 on bad
-// input; 1 on failure (the message names the step, action and peer).
-#include <unistd.h>
-
+// step: "rank=R step=k loss=... busy_s=... step_s=...". Exit codes as every pippy
+// binary (common/cli.h): 0 success, 2 bad input, 1 failure (the message names the
+// step, action and peer).
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -22,28 +23,35 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
-#include "client/args.h"
-#include "client/exit_codes.h"
+#include "common/cli.h"
 #include "common/log.h"
+#include "common/status.h"
+#include "google/protobuf/util/json_util.h"
+#include "pipeline/job/job_plan.h"
+#include "pipeline/job/job_spec.h"
+#include "pipeline/job/rank_job.h"
 #include "pipeline/partition/model_io.h"
-#include "pipeline/partition/partition.h"
-#include "pipeline/schedule/schedule.h"
-#include "pipeline/stage/rank_runtime.h"
+#include "pipeline/stage/data_source.h"
 #include "pipeline/transport/ucx/ucx_transport.h"
 #include "torch/csrc/jit/runtime/graph_executor.h"
 
 namespace pippy {
 namespace {
 
+constexpr char kProgram[] = "pippy-rank";
+
 // Publishes this rank's address and collects everyone's (atomic renames; deadline).
 absl::StatusOr<std::vector<std::string>> Rendezvous(const std::string& dir, int rank, int world,
                                                     const std::string& address, absl::Duration timeout) {
-  std::filesystem::create_directories(dir);
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return absl::PermissionDeniedError(absl::StrCat("cannot create --rendezvous ", dir, ": ", ec.message()));
   const std::string tmp = absl::StrCat(dir, "/.rank_", rank, ".tmp");
   std::ofstream(tmp) << absl::BytesToHexString(address);
-  std::filesystem::rename(tmp, absl::StrCat(dir, "/rank_", rank, ".addr"));
+  std::filesystem::rename(tmp, absl::StrCat(dir, "/rank_", rank, ".addr"), ec);
+  if (ec) return absl::PermissionDeniedError(absl::StrCat("cannot write into --rendezvous ", dir));
   std::vector<std::string> out(world);
-  const auto deadline = std::chrono::steady_clock::now() + absl::ToChronoSeconds(timeout);
+  const auto deadline = std::chrono::steady_clock::now() + absl::ToChronoMilliseconds(timeout);
   for (int r = 0; r < world; ++r) {
     const std::string path = absl::StrCat(dir, "/rank_", r, ".addr");
     while (!std::filesystem::exists(path)) {
@@ -61,92 +69,124 @@ absl::StatusOr<std::vector<std::string>> Rendezvous(const std::string& dir, int 
   return out;
 }
 
+absl::StatusOr<PipelinePlan> ReadPlan(const std::string& path) {
+  PIPPY_ASSIGN_OR_RETURN(std::string json, partition::ReadFile(path));
+  PipelinePlan plan;
+  auto s = google::protobuf::util::JsonStringToMessage(json, &plan);
+  if (!s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("'", path, "' is not a plan written by pippyctl split --out: ",
+                                                   s.ToString()));
+  }
+  return plan;
+}
 
-int Run(int argc, char** argv) {
-  auto args = cli::Args::Parse(argc, argv, 1,
-                               {{"rank"}, {"world"}, {"rendezvous"}, {"model"}, {"schedule"}, {"stages-per-rank"},
-                                {"microbatches"}, {"steps"}, {"input"}, {"target"}, {"loss"}, {"optimizer"},
-                                {"lr"}, {"momentum"}, {"weight-decay"}, {"clip-grad-norm"}, {"tls"},
-                                {"timeout-s"}, {"out"}});
-  if (!args.ok()) return cli::Fail(args.status());
-  auto rank = args->GetInt("rank", -1), world = args->GetInt("world", 0), v = args->GetInt("stages-per-rank", 0),
-       m = args->GetInt("microbatches", 0), steps = args->GetInt("steps", 1), timeout = args->GetInt("timeout-s", 60);
-  auto lr = args->GetDouble("lr", 0.01), momentum = args->GetDouble("momentum", 0),
-       wd = args->GetDouble("weight-decay", 0), clip = args->GetDouble("clip-grad-norm", 0);
-  for (const absl::Status& s : {rank.status(), world.status(), v.status(), m.status(), steps.status(),
-                                timeout.status(), lr.status(), momentum.status(), wd.status(), clip.status()}) {
-    if (!s.ok()) return cli::Fail(s);
-  }
-  for (const char* required : {"rendezvous", "model", "schedule", "input", "out"}) {
-    if (!args->Has(required)) return cli::Fail(absl::InvalidArgumentError(absl::StrCat("--", required, " is required")));
-  }
-  log::Init(absl::StrCat("rank-", *rank));
+struct Flags {
+  int rank = -1, world = 0, stages_per_rank = 0, microbatches = 0, steps = 1, batch_size = 0;
+  double timeout_s = 60, lr = 0.01, momentum = 0, clip = 0;
+  std::optional<double> weight_decay;
+  uint64_t seed = 0;
+  std::string rendezvous, stages_dir, schedule, data, out, loss = "mse", optimizer = "sgd", tls = "sm,self";
+};
+
+absl::Status Run(const Flags& f) {
+  log::Init(absl::StrCat("rank-", f.rank));
   torch::jit::setGraphExecutorOptimize(false);
-
-  auto kind = schedule::ParseScheduleKind(args->Get("schedule"));
-  if (!kind.ok()) return cli::Fail(kind.status());
-  const int per_rank = *v > 0 ? *v : schedule::DefaultStagesPerRank(*kind);
-  auto model = partition::LoadModel(args->Get("model"));
-  if (!model.ok()) return cli::Fail(model.status());
-  partition::SplitOptions so;
-  so.num_stages = *world * per_rank;
-  auto pipe = partition::SplitModel(*model, so);
-  if (!pipe.ok()) return cli::Fail(pipe.status());
-  schedule::ScheduleOptions opts;
-  opts.num_ranks = *world;
-  opts.num_microbatches = *m;
-  opts.stages_per_rank = per_rank;
-  opts.graph = stage::StageGraphOf(pipe->plan);
-  auto sched = schedule::MakeSchedule(*kind, opts);
-  if (!sched.ok()) return cli::Fail(sched.status());
-
-  auto inputs = partition::LoadExampleInputs(args->Get("input"), *model);
-  if (!inputs.ok()) return cli::Fail(inputs.status());
-  c10::IValue target;
-  if (args->Has("target")) {
-    auto t = partition::LoadTorchSaved(args->Get("target"));
-    if (!t.ok()) return cli::Fail(t.status());
-    target = *t;
+  JobSpec spec;
+  PIPPY_ASSIGN_OR_RETURN(ScheduleKind kind, job::ParseSchedule(f.schedule));
+  spec.mutable_schedule()->set_kind(kind);
+  spec.mutable_schedule()->set_microbatches(f.microbatches);
+  spec.mutable_schedule()->set_stages_per_worker(f.stages_per_rank);
+  if (kind != SCHEDULE_INFERENCE) {
+    PIPPY_ASSIGN_OR_RETURN(LossKind loss, job::ParseLoss(f.loss));
+    PIPPY_ASSIGN_OR_RETURN(OptimizerKind optimizer, job::ParseOptimizer(f.optimizer));
+    spec.set_loss(loss);
+    spec.mutable_optimizer()->set_kind(optimizer);
   }
+  spec.mutable_optimizer()->set_lr(f.lr);
+  spec.mutable_optimizer()->set_momentum(f.momentum);
+  if (f.weight_decay) spec.mutable_optimizer()->set_weight_decay(*f.weight_decay);
+  spec.mutable_optimizer()->set_clip_grad_norm(f.clip);
+  spec.set_steps(f.steps);
+  spec.set_batch_size(f.batch_size);
+  spec.set_seed(f.seed);
+  PIPPY_ASSIGN_OR_RETURN(PipelinePlan plan, ReadPlan(f.stages_dir + "/plan.json"));
+  spec.mutable_split()->set_stages(plan.stages_size());
+  PIPPY_RETURN_IF_ERROR(job::CheckSpec(&spec));
+  PIPPY_ASSIGN_OR_RETURN(schedule::Schedule sched, job::ScheduleFor(spec, plan));
+  if (sched.num_ranks != f.world) {
+    return absl::InvalidArgumentError(absl::StrCat("--world ", f.world, " but ", plan.stages_size(), " stages at ",
+                                                   spec.schedule().stages_per_worker(), " per rank need ",
+                                                   sched.num_ranks, " ranks"));
+  }
+  if (f.rank < 0 || f.rank >= f.world) return absl::InvalidArgumentError("--rank must be in [0, --world)");
+  job::SeedProcessForRank(spec, f.rank);
+  std::map<int, torch::jit::Module> mine;
+  for (int s : sched.StagesOf(f.rank)) {
+    PIPPY_ASSIGN_OR_RETURN(mine[s], partition::LoadModel(absl::StrCat(f.stages_dir, "/stage_", s, ".pt")));
+  }
+  std::vector<std::string> names;
+  for (const ModelValue& v : plan.inputs()) names.push_back(v.name());
+  PIPPY_ASSIGN_OR_RETURN(std::string data_bytes, partition::ReadFile(f.data));
+  PIPPY_ASSIGN_OR_RETURN(stage::DataSource data, stage::DataSource::FromBytes(data_bytes, names));
 
   transport::ucx::Options uo;
-  uo.ucx_config = {{"TLS", args->Get("tls", "sm,self")}};
-  if (args->Get("tls", "").find("tcp") != std::string::npos) uo.ucx_config.push_back({"NET_DEVICES", "lo"});
-  auto ucx = transport::ucx::UcxTransport::Create(*rank, *world, uo);
-  if (!ucx.ok()) return cli::Fail(ucx.status());
-  auto addresses = Rendezvous(args->Get("rendezvous"), *rank, *world, (*ucx)->address(), absl::Seconds(*timeout));
-  if (!addresses.ok()) return cli::Fail(addresses.status());
-  absl::Status connected = (*ucx)->Connect(*addresses);
-  if (!connected.ok()) return cli::Fail(connected);
-
-  std::map<int, torch::jit::Module> mine;
-  for (int s : sched->StagesOf(*rank)) mine[s] = pipe->stages[s];
-  stage::RuntimeOptions ro;
-  ro.loss = args->Get("loss", "mse");
-  ro.optimizer.name = args->Get("optimizer", "sgd");
-  ro.optimizer.lr = *lr;
-  ro.optimizer.momentum = *momentum;
-  ro.optimizer.weight_decay = *wd;
-  ro.clip_grad_norm = *clip;
-  ro.timeout = absl::Seconds(*timeout);
-  auto rt = stage::RankRuntime::Create(*rank, pipe->plan, mine, *sched, ucx->get(), ro);
-  if (!rt.ok()) return cli::Fail(rt.status());
-  for (int step = 0; step < *steps; ++step) {
-    auto res = sched->forward_only ? (*rt)->InferenceStep(step, *inputs) : (*rt)->TrainStep(step, *inputs, target);
-    if (!res.ok()) {
-      std::cerr << "pippy-rank: " << res.status().message() << "\n";
-      return cli::kExitInternal;
-    }
-    std::cout << "rank=" << *rank << " step=" << step;
+  uo.ucx_config = {{"TLS", f.tls}};
+  if (f.tls.find("tcp") != std::string::npos) uo.ucx_config.push_back({"NET_DEVICES", "lo"});
+  PIPPY_ASSIGN_OR_RETURN(auto ucx, transport::ucx::UcxTransport::Create(f.rank, f.world, uo));
+  PIPPY_ASSIGN_OR_RETURN(auto addresses,
+                         Rendezvous(f.rendezvous, f.rank, f.world, ucx->address(), absl::Seconds(f.timeout_s)));
+  PIPPY_RETURN_IF_ERROR(ucx->Connect(addresses));
+  PIPPY_ASSIGN_OR_RETURN(auto rank_job, job::RankJob::Create(spec, plan, f.rank, std::move(mine), ucx.get(),
+                                                             absl::Seconds(f.timeout_s)));
+  for (int step = 0; step < f.steps; ++step) {
+    absl::StatusOr<stage::StepResult> res = rank_job->RunStep(step, data);
+    if (!res.ok()) return absl::InternalError(std::string(res.status().message()));
+    std::cout << "rank=" << f.rank << " step=" << step;
     if (res->has_loss) std::cout << " loss=" << res->loss;
     std::cout << " busy_s=" << res->busy_seconds << " step_s=" << res->step_seconds << std::endl;
   }
-  std::filesystem::create_directories(args->Get("out"));
-  for (auto& [s, module] : mine) module.save(absl::StrCat(args->Get("out"), "/stage_", s, ".pt"));
-  return cli::kExitOk;
+  std::error_code ec;
+  std::filesystem::create_directories(f.out, ec);
+  for (const auto& [s, module] : rank_job->stages()) {
+    PIPPY_RETURN_IF_ERROR(partition::SaveModule(module, absl::StrCat(f.out, "/stage_", s, ".pt")));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
 }  // namespace pippy
 
-int main(int argc, char** argv) { return pippy::Run(argc, argv); }
+int main(int argc, char** argv) {
+  using namespace pippy;
+  CLI::App app("Runs one pipeline rank as a process over UCX, from stage files written by `pippyctl split --out`.",
+               kProgram);
+  cli::Configure(app);
+  Flags f;
+  app.add_option("--rank", f.rank, "this rank")->required()->check(cli::NonNegative());
+  app.add_option("--world", f.world, "number of ranks")->required()->check(cli::Positive());
+  app.add_option("--rendezvous", f.rendezvous, "a folder shared by the ranks, where they publish addresses")->required();
+  app.add_option("--stages-dir", f.stages_dir, "stage_N.pt and plan.json from pippyctl split --out")->required();
+  app.add_option("--schedule", f.schedule, "gpipe | 1f1b | interleaved-1f1b | looped-bfs | zb1p | zbv | inference")
+      ->required();
+  app.add_option("--stages-per-rank", f.stages_per_rank, "0: the schedule's default")->check(cli::NonNegative());
+  app.add_option("--microbatches", f.microbatches, "micro-batches per step")->required()->check(cli::Positive());
+  app.add_option("--batch-size", f.batch_size, "samples per step")->required()->check(cli::Positive());
+  app.add_option("--steps", f.steps, "steps to run")->check(cli::Positive())->capture_default_str();
+  app.add_option("--data", f.data, "torch.save({\"inputs\": ..., \"targets\": ...})")->required();
+  app.add_option("--out", f.out, "where the trained stages are written")->required();
+  app.add_option("--loss", f.loss, "mse | cross_entropy | model")->capture_default_str();
+  app.add_option("--optimizer", f.optimizer, "sgd | adam | adamw")->capture_default_str();
+  app.add_option("--lr", f.lr, "learning rate")->check(cli::Positive())->capture_default_str();
+  app.add_option("--momentum", f.momentum, "sgd momentum")->check(cli::NonNegative())->capture_default_str();
+  app.add_option("--weight-decay", f.weight_decay, "default: torch's (0.01 for adamw, else 0)")
+      ->check(cli::NonNegative());
+  app.add_option("--clip-grad-norm", f.clip, "global gradient-norm clipping; 0: none")->check(cli::NonNegative())->capture_default_str();
+  app.add_option("--seed", f.seed, "seeds this rank's random number generator (seed + rank)")->capture_default_str();
+  app.add_option("--tls", f.tls, "UCX transports, e.g. sm,self or tcp,self")->capture_default_str();
+  app.add_option("--timeout-s", f.timeout_s, "deadline of the rendezvous and of every wait in a step")
+      ->check(cli::Positive())->capture_default_str();
+  if (auto code = cli::Parse(app, argc, argv)) return *code;
+  absl::Status s = Run(f);
+  if (!s.ok()) return cli::Fail(kProgram, s);
+  return cli::kExitOk;
+}

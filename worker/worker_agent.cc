@@ -3,40 +3,67 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <condition_variable>
-#include <mutex>
-#include <sstream>
+#include <map>
 #include <thread>
 
 #include "ATen/Parallel.h"
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/log.h"
+#include "common/status.h"
 #include "grpcpp/grpcpp.h"
+#include "pipeline/job/rank_job.h"
 #include "pipeline/partition/model_io.h"
-#include "pipeline/partition/partition.h"
-#include "pipeline/schedule/schedule.h"
 #include "pipeline/stage/data_source.h"
-#include "pipeline/stage/rank_runtime.h"
+#include "pipeline/stage/microbatch.h"
 #include "pipeline/transport/ucx/ucx_transport.h"
 #include "proto/coordinator.grpc.pb.h"
 #include "torch/csrc/jit/runtime/graph_executor.h"
 #include "torch/csrc/jit/serialization/pickle.h"
-#include "torch/serialize.h"
 
 namespace pippy::worker {
 namespace {
 
-constexpr char kVersion[] = "pippy 0.1";
+constexpr char kVersion[] = "pippy 0.2";
+constexpr size_t kResultChunk = 1 << 20;
+
+// An assignment and its files as their chunks arrive (read-loop thread only).
+struct Incoming {
+  Assignment assignment;
+  std::map<int, std::string> stages;  // stage -> TorchScript bytes
+  std::map<int, bool> stage_done;
+  std::string data;
+  bool data_done = false;
+  int64_t bytes_received = 0;
+
+  bool Complete() const {
+    if (!data_done) return false;
+    for (const auto& [s, done] : stage_done) {
+      if (!done) return false;
+    }
+    return true;
+  }
+};
+
+int64_t ParamBytes(const torch::jit::Module& m) {
+  int64_t n = 0;
+  for (const auto& p : m.named_parameters(true)) n += static_cast<int64_t>(p.value.numel() * p.value.element_size());
+  return n;
+}
 
 class Agent {
  public:
   explicit Agent(const AgentOptions& o) : options_(o) {}
 
   absl::Status Run() {
-    auto channel = grpc::CreateChannel(options_.coordinator, grpc::InsecureChannelCredentials());
-    if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10))) {
-      return absl::UnavailableError(absl::StrCat("cannot reach the coordinator at ", options_.coordinator));
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(64 << 20);
+    auto channel = grpc::CreateCustomChannel(options_.coordinator, grpc::InsecureChannelCredentials(), args);
+    if (!channel->WaitForConnected(std::chrono::system_clock::now() +
+                                   absl::ToChronoMilliseconds(options_.connect_timeout))) {
+      return absl::UnavailableError(absl::StrCat("cannot reach the coordinator at ", options_.coordinator,
+                                                 " within ", absl::FormatDuration(options_.connect_timeout)));
     }
     auto stub = WorkerHub::NewStub(channel);
     grpc::ClientContext ctx;
@@ -53,17 +80,24 @@ class Agent {
     r->set_free_memory(static_cast<int64_t>(sysconf(_SC_AVPHYS_PAGES)) * sysconf(_SC_PAGESIZE));
     if (!Write(reg)) return absl::UnavailableError("the coordinator closed the stream at registration");
     std::thread heartbeat([this] {
-      while (!stopping_.load()) {
+      while (true) {
+        {
+          absl::MutexLock lock(&mu_);
+          if (stopping_) break;
+        }
         WorkerMessage hb;
         hb.mutable_heartbeat()->set_unix_ms(absl::ToUnixMillis(absl::Now()));
         if (!Write(hb)) break;
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait_for(lock, absl::ToChronoMilliseconds(options_.heartbeat), [&] { return stopping_.load(); });
+        absl::MutexLock lock(&mu_);
+        mu_.AwaitWithTimeout(absl::Condition(&stopping_), options_.heartbeat);
       }
     });
     CoordinatorMessage m;
     while (stream_->Read(&m)) Handle(m);
-    stopping_.store(true);
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+    }
     CancelRunningJob();
     heartbeat.join();
     if (job_.joinable()) job_.join();
@@ -74,7 +108,7 @@ class Agent {
 
  private:
   bool Write(const WorkerMessage& m) {
-    std::lock_guard<std::mutex> lock(write_mu_);
+    absl::MutexLock lock(&write_mu_);
     return stream_->Write(m);
   }
 
@@ -83,41 +117,81 @@ class Agent {
       log::Info("registered as {} with the coordinator at {}", m.registered().worker_id(), options_.coordinator);
     } else if (m.has_assignment()) {
       if (job_.joinable()) job_.join();
-      assignment_ = m.assignment();
-      model_.clear();
-      data_.clear();
-      model_done_ = data_done_ = false;
-      std::lock_guard<std::mutex> lock(mu_);
+      incoming_ = Incoming();
+      incoming_.assignment = m.assignment();
+      for (const auto& f : m.assignment().stages()) {
+        incoming_.stages[f.stage()].reserve(static_cast<size_t>(f.bytes()));
+        incoming_.stage_done[f.stage()] = false;
+      }
+      incoming_.data.reserve(static_cast<size_t>(m.assignment().data_bytes()));
+      receiving_ = true;
+      absl::MutexLock lock(&mu_);
+      job_id_ = m.assignment().job_id();
       cancelled_ = false;
       peers_.clear();
-    } else if (m.has_data()) {
-      (m.data().model() ? model_ : data_) += m.data().chunk();
-      if (m.data().last_chunk()) (m.data().model() ? model_done_ : data_done_) = true;
-      if (model_done_ && data_done_) {
-        model_done_ = data_done_ = false;
-        job_ = std::thread([this, a = assignment_, model = model_, data = data_] { RunJob(a, model, data); });
-      }
-    } else if (m.has_peers()) {
-      std::lock_guard<std::mutex> lock(mu_);
-      peers_.assign(m.peers().ucx_addresses().begin(), m.peers().ucx_addresses().end());
-      cv_.notify_all();
-    } else if (m.has_cancel()) {
-      if (m.cancel().job_id() != assignment_.job_id()) {
-        log::Info("job={} cancel ignored: this worker runs job={}", m.cancel().job_id(), assignment_.job_id());
+      log::Info("job={} rank={}: receiving {} stage(s) and {} bytes of data", job_id_, m.assignment().rank(),
+                m.assignment().stages_size(), m.assignment().data_bytes());
+    } else if (m.has_stage()) {
+      if (!receiving_ || m.stage().job_id() != incoming_.assignment.job_id()) return;  // a cancelled transfer
+      auto it = incoming_.stages.find(m.stage().stage());
+      if (it == incoming_.stages.end()) {
+        FailTransfer(absl::InternalError(absl::StrCat("the coordinator sent stage ", m.stage().stage(),
+                                                      ", which is not this rank's")));
         return;
       }
+      it->second += m.stage().chunk();
+      incoming_.bytes_received += static_cast<int64_t>(m.stage().chunk().size());
+      if (m.stage().last_chunk()) incoming_.stage_done[m.stage().stage()] = true;
+      StartIfComplete();
+    } else if (m.has_data()) {
+      if (!receiving_ || m.data().job_id() != incoming_.assignment.job_id()) return;
+      incoming_.data += m.data().chunk();
+      incoming_.bytes_received += static_cast<int64_t>(m.data().chunk().size());
+      if (m.data().last_chunk()) incoming_.data_done = true;
+      StartIfComplete();
+    } else if (m.has_peers()) {
+      absl::MutexLock lock(&mu_);
+      if (m.peers().job_id() != job_id_) return;
+      peers_.assign(m.peers().ucx_addresses().begin(), m.peers().ucx_addresses().end());
+    } else if (m.has_cancel()) {
+      {
+        absl::MutexLock lock(&mu_);
+        if (m.cancel().job_id() != job_id_) {
+          log::Info("job={} cancel ignored: this worker runs job={}", m.cancel().job_id(), job_id_);
+          return;
+        }
+      }
       log::Warn("job={} cancelled: {}", m.cancel().job_id(), m.cancel().reason());
+      if (receiving_) {
+        // Still arriving: drop what came and report, so the coordinator frees this worker.
+        FailTransfer(absl::CancelledError("cancelled while its stages were arriving"));
+        return;
+      }
       CancelRunningJob();
     }
+  }
+
+  void StartIfComplete() {
+    if (!incoming_.Complete()) return;
+    receiving_ = false;
+    job_ = std::thread([this, in = std::move(incoming_)]() mutable { RunJob(std::move(in)); });
+    incoming_ = Incoming();
+  }
+
+  void FailTransfer(const absl::Status& s) {
+    receiving_ = false;
+    const Assignment a = incoming_.assignment;
+    incoming_ = Incoming();
+    if (!absl::IsCancelled(s)) log::Error("job={} rank={}: {}", a.job_id(), a.rank(), s.message());
+    Finished(a, s);
   }
 
   // Stops the job: a rank waiting for its peers' addresses or mid-step returns
   // CANCELLED at once (a wait in progress is cancelled), so the worker is free again.
   void CancelRunningJob() {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     cancelled_ = true;
     if (running_ != nullptr) running_->Cancel();
-    cv_.notify_all();
   }
 
   void Finished(const Assignment& a, const absl::Status& s) {
@@ -129,154 +203,155 @@ class Agent {
     Write(f);
   }
 
-  void RunJob(Assignment a, std::string model_bytes, std::string data_bytes) {
-    absl::Status s = RunRank(a, model_bytes, data_bytes);
+  void RunJob(Incoming in) {
+    const Assignment a = in.assignment;
+    absl::Status s = RunRank(std::move(in));
     if (absl::IsCancelled(s)) {
-      log::Info("job={} rank={} stopped: {}", a.job_id(), a.rank(), std::string(s.message()));
+      log::Info("job={} rank={} stopped: {}", a.job_id(), a.rank(), s.message());
     } else if (!s.ok()) {
-      log::Error("job={} rank={} failed: {}", a.job_id(), a.rank(), std::string(s.message()));
+      log::Error("job={} rank={} failed: {}", a.job_id(), a.rank(), s.message());
     }
     Finished(a, s);
   }
 
-  absl::Status RunRank(const Assignment& a, const std::string& model_bytes, const std::string& data_bytes) {
+  // Streams `module` (a trained stage) to the coordinator in chunks as it is written.
+  absl::Status SendStage(const std::string& job_id, int stage, const torch::jit::Module& module) {
+    std::string pending;
+    auto flush = [&](bool last) -> absl::Status {
+      WorkerMessage m;
+      StageResult* r = m.mutable_stage_result();
+      r->set_job_id(job_id);
+      r->set_stage(stage);
+      r->set_chunk(std::move(pending));
+      r->set_last_chunk(last);
+      pending.clear();
+      if (!Write(m)) return absl::UnavailableError("the stream to the coordinator broke while sending results");
+      return absl::OkStatus();
+    };
+    PIPPY_RETURN_IF_ERROR(partition::WriteModule(module, [&](absl::string_view piece) -> absl::Status {
+      while (!piece.empty()) {
+        const size_t take = std::min(piece.size(), kResultChunk - pending.size());
+        pending.append(piece.data(), take);
+        piece.remove_prefix(take);
+        if (pending.size() == kResultChunk) PIPPY_RETURN_IF_ERROR(flush(false));
+      }
+      return absl::OkStatus();
+    }));
+    return flush(true);
+  }
+
+  absl::Status SendOutputs(const std::string& job_id, const std::vector<c10::IValue>& outputs) {
+    PIPPY_ASSIGN_OR_RETURN(c10::IValue merged, stage::MergeMicrobatches(outputs));
+    std::vector<char> bytes = torch::jit::pickle_save(merged);
+    for (size_t off = 0; off < bytes.size() || off == 0; off += kResultChunk) {
+      WorkerMessage m;
+      InferenceOutput* o = m.mutable_output();
+      o->set_job_id(job_id);
+      const size_t n = std::min(kResultChunk, bytes.size() - off);
+      o->set_chunk(bytes.data() + off, n);
+      o->set_last_chunk(off + n >= bytes.size());
+      if (!Write(m)) return absl::UnavailableError("the stream to the coordinator broke while sending outputs");
+      if (bytes.empty()) break;
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status RunRank(Incoming in) {
+    const Assignment& a = in.assignment;
     const JobSpec& spec = a.spec();
-    log::Info("job={} rank={} of {}: starting", a.job_id(), a.rank(), a.world_size());
+    log::Info("job={} rank={} of {}: received {} bytes; loading stage(s)", a.job_id(), a.rank(), a.world_size(),
+              in.bytes_received);
     at::set_num_threads(options_.threads);
     torch::jit::setGraphExecutorOptimize(false);
-    auto model = partition::LoadModelFromBytes(model_bytes, "model");
-    if (!model.ok()) return model.status();
-    auto ds = stage::DataSource::FromBytes(data_bytes, *model);
-    if (!ds.ok()) return ds.status();
-    auto kind = schedule::ParseScheduleKind(spec.schedule().name());
-    if (!kind.ok()) return kind.status();
-    // Split exactly where the coordinator did (its plan's split points), so every rank
-    // holds the same stages whatever the balance mode measured.
-    partition::SplitOptions so;
-    so.split_at.assign(a.plan().split_points().begin(), a.plan().split_points().end());
-    so.num_stages = a.plan().stages_size();
-    auto pipe = partition::SplitModel(*model, so);
-    if (!pipe.ok()) return pipe.status();
-    if (pipe->plan.stages_size() != a.plan().stages_size()) {
-      return absl::InternalError("this worker split the model differently from the coordinator (versions differ?)");
+    job::SeedProcessForRank(spec, a.rank());
+    std::map<int, torch::jit::Module> stages;
+    int64_t param_bytes = 0;
+    for (auto& [s, bytes] : in.stages) {
+      PIPPY_ASSIGN_OR_RETURN(torch::jit::Module module,
+                             partition::LoadModelFromBytes(bytes, absl::StrCat("stage ", s)));
+      param_bytes += ParamBytes(module);
+      stages.emplace(s, std::move(module));
+      std::string().swap(bytes);  // the archive's bytes are not needed once loaded
     }
-    schedule::ScheduleOptions opts;
-    opts.num_ranks = a.world_size();
-    opts.num_microbatches = spec.schedule().microbatches();
-    opts.stages_per_rank = spec.schedule().stages_per_worker();
-    opts.graph = stage::StageGraphOf(pipe->plan);
-    auto sched = schedule::MakeSchedule(*kind, opts);
-    if (!sched.ok()) return sched.status();
+    std::vector<std::string> input_names;
+    for (const ModelValue& v : a.plan().inputs()) input_names.push_back(v.name());
+    PIPPY_ASSIGN_OR_RETURN(stage::DataSource data, stage::DataSource::FromShareBytes(in.data, input_names));
+    std::string().swap(in.data);
+
     transport::ucx::Options uo;
     if (!options_.ucx_tls.empty()) uo.ucx_config = {{"TLS", options_.ucx_tls}};
-    auto ucx = transport::ucx::UcxTransport::Create(a.rank(), a.world_size(), uo);
-    if (!ucx.ok()) return ucx.status();
+    PIPPY_ASSIGN_OR_RETURN(auto ucx, transport::ucx::UcxTransport::Create(a.rank(), a.world_size(), uo));
     WorkerMessage addr;
     addr.mutable_address()->set_job_id(a.job_id());
     addr.mutable_address()->set_rank(a.rank());
-    addr.mutable_address()->set_ucx_address((*ucx)->address());
+    addr.mutable_address()->set_ucx_address(ucx->address());
+    addr.mutable_address()->set_bytes_received(in.bytes_received);
+    addr.mutable_address()->set_loaded_param_bytes(param_bytes);
     Write(addr);
     std::vector<std::string> peers;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      if (!cv_.wait_for(lock, absl::ToChronoSeconds(options_.wait_timeout),
-                        [&] { return !peers_.empty() || cancelled_; })) {
-        return absl::DeadlineExceededError("the peers' addresses did not arrive");
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !peers_.empty() || cancelled_; };
+      if (!mu_.AwaitWithTimeout(absl::Condition(&ready), options_.wait_timeout)) {
+        return absl::DeadlineExceededError(absl::StrCat("the peers' addresses did not arrive within ",
+                                                        absl::FormatDuration(options_.wait_timeout)));
       }
       if (cancelled_) return absl::CancelledError("cancelled");
       peers = peers_;
     }
-    absl::Status c = (*ucx)->Connect(peers);
-    if (!c.ok()) return c;
-    std::map<int, torch::jit::Module> mine;
-    for (int s : sched->StagesOf(a.rank())) mine[s] = pipe->stages[s];
-    stage::RuntimeOptions ro;
-    ro.loss = spec.loss();
-    ro.optimizer.name = spec.optimizer().name();
-    ro.optimizer.lr = spec.optimizer().lr();
-    ro.optimizer.momentum = spec.optimizer().momentum();
-    ro.optimizer.weight_decay = spec.optimizer().weight_decay();
-    if (spec.optimizer().beta1() > 0) ro.optimizer.beta1 = spec.optimizer().beta1();
-    if (spec.optimizer().beta2() > 0) ro.optimizer.beta2 = spec.optimizer().beta2();
-    if (spec.optimizer().eps() > 0) ro.optimizer.eps = spec.optimizer().eps();
-    ro.clip_grad_norm = spec.optimizer().clip_grad_norm();
-    ro.timeout = options_.wait_timeout;
-    auto rt = stage::RankRuntime::Create(a.rank(), pipe->plan, mine, *sched, ucx->get(), ro);
-    if (!rt.ok()) return rt.status();
+    PIPPY_RETURN_IF_ERROR(ucx->Connect(peers));
+    PIPPY_ASSIGN_OR_RETURN(auto rank_job, job::RankJob::Create(spec, a.plan(), a.rank(), std::move(stages),
+                                                               ucx.get(), options_.wait_timeout));
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       if (cancelled_) return absl::CancelledError("cancelled");
-      running_ = rt->get();
+      running_ = rank_job.get();
     }
-    // Declared after the runtime: forgets it before it is destroyed.
+    // Declared after the rank job: forgets it before it is destroyed.
     absl::Cleanup forget = [this] {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       running_ = nullptr;
     };
+    const bool inference = rank_job->schedule().forward_only;
     std::vector<c10::IValue> outputs;  // inference: the last stage's merged outputs per step
     for (int step = 0; step < spec.steps(); ++step) {
-      auto res = sched->forward_only ? (*rt)->InferenceStep(step, ds->Inputs(step, spec.batch_size()))
-                                     : (*rt)->TrainStep(step, ds->Inputs(step, spec.batch_size()),
-                                                        ds->Target(step, spec.batch_size()));
-      if (!res.ok()) return res.status();
-      if (sched->forward_only && !res->output.isNone()) outputs.push_back(res->output);
+      PIPPY_ASSIGN_OR_RETURN(stage::StepResult res, rank_job->RunStep(step, data));
+      if (inference && !res.output.isNone()) outputs.push_back(res.output);
       WorkerMessage rep;
       StepReport* sr = rep.mutable_step();
       sr->set_job_id(a.job_id());
       sr->set_rank(a.rank());
       sr->set_step(step);
-      sr->set_has_loss(res->has_loss);
-      sr->set_loss(res->loss);
-      sr->set_busy_seconds(res->busy_seconds);
-      sr->set_step_seconds(res->step_seconds);
+      sr->set_has_loss(res.has_loss);
+      sr->set_loss(res.loss);
+      sr->set_busy_seconds(res.busy_seconds);
+      sr->set_step_seconds(res.step_seconds);
       Write(rep);
       log::Info("job={} rank={} step={}{}", a.job_id(), a.rank(), step,
-                res->has_loss ? absl::StrCat(" loss=", res->loss) : "");
+                res.has_loss ? absl::StrCat(" loss=", res.loss) : "");
     }
-    // Results: inference sends the outputs (stage -1, a torch.save file); training
-    // sends the trained stages.
-    std::vector<std::pair<int, std::string>> results;
-    if (sched->forward_only) {
-      if (!outputs.empty()) {
-        auto merged = stage::MergeMicrobatches(outputs);
-        if (!merged.ok()) return merged.status();
-        std::vector<char> bytes = torch::pickle_save(*merged);
-        results.emplace_back(-1, std::string(bytes.begin(), bytes.end()));
-      }
+    // Results: inference sends the outputs (a torch.save file); training sends the
+    // trained stages.
+    if (inference) {
+      if (!outputs.empty()) PIPPY_RETURN_IF_ERROR(SendOutputs(a.job_id(), outputs));
     } else {
-      for (auto& [s, module] : mine) {
-        std::ostringstream out;
-        module.save(out);
-        results.emplace_back(s, out.str());
-      }
-    }
-    for (auto& [s, bytes] : results) {
-      constexpr size_t kChunk = 1 << 20;
-      for (size_t off = 0; off < bytes.size(); off += kChunk) {
-        WorkerMessage sr;
-        sr.mutable_stage_result()->set_job_id(a.job_id());
-        sr.mutable_stage_result()->set_stage(s);
-        sr.mutable_stage_result()->set_chunk(bytes.substr(off, kChunk));
-        sr.mutable_stage_result()->set_last_chunk(off + kChunk >= bytes.size());
-        Write(sr);
-      }
+      for (const auto& [s, module] : rank_job->stages()) PIPPY_RETURN_IF_ERROR(SendStage(a.job_id(), s, module));
     }
     return absl::OkStatus();
   }
 
   const AgentOptions options_;
   std::unique_ptr<grpc::ClientReaderWriter<WorkerMessage, CoordinatorMessage>> stream_;
-  std::mutex write_mu_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::atomic<bool> stopping_{false};
-  bool cancelled_ = false;              // guarded by mu_
-  stage::RankRuntime* running_ = nullptr;  // guarded by mu_: the job's runtime while it runs
-  std::vector<std::string> peers_;      // guarded by mu_
+  absl::Mutex write_mu_;  // one writer at a time on the stream
+  absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::string job_id_ ABSL_GUARDED_BY(mu_);  // the job assigned last
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  job::RankJob* running_ ABSL_GUARDED_BY(mu_) = nullptr;  // the job's rank while it runs
+  std::vector<std::string> peers_ ABSL_GUARDED_BY(mu_);
   // Read-loop thread only.
-  Assignment assignment_;
-  std::string model_, data_;
-  bool model_done_ = false, data_done_ = false;
+  Incoming incoming_;
+  bool receiving_ = false;
   std::thread job_;
 };
 

@@ -1,7 +1,5 @@
 #include "pipeline/partition/merge.h"
 
-#include <sstream>
-
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/status.h"
@@ -9,39 +7,46 @@
 #include "pipeline/partition/model_io.h"
 
 namespace pippy::partition {
+namespace {
 
-absl::StatusOr<std::string> MergeStagesIntoModel(const std::string& model_bytes,
-                                                 const std::map<int, std::string>& stages) {
-  PIPPY_ASSIGN_OR_RETURN(torch::jit::Module model, LoadModelFromBytes(model_bytes, "model"));
-  return TorchCall("merging trained stages", [&]() -> absl::StatusOr<std::string> {
-    torch::NoGradGuard no_grad;
-    for (const auto& [index, bytes] : stages) {
-      PIPPY_ASSIGN_OR_RETURN(torch::jit::Module stage, LoadModelFromBytes(bytes, absl::StrCat("stage ", index)));
-      auto copy = [&](const std::string& name, const at::Tensor& value) -> absl::Status {
-        std::vector<std::string> path = absl::StrSplit(name, '.');
-        torch::jit::Module owner = model;
-        for (size_t i = 0; i + 1 < path.size(); ++i) {
-          if (!owner.hasattr(path[i])) return absl::InvalidArgumentError(absl::StrCat("the model has no '", name, "'"));
-          owner = owner.attr(path[i]).toModule();
-        }
-        if (!owner.hasattr(path.back()) || !owner.attr(path.back()).isTensor()) {
-          return absl::InvalidArgumentError(absl::StrCat("the model has no tensor '", name, "'"));
-        }
-        at::Tensor target = owner.attr(path.back()).toTensor();
-        if (target.sizes() != value.sizes()) {
-          return absl::InvalidArgumentError(absl::StrCat("'", name, "' has shape ", c10::str(target.sizes()),
-                                                         " in the model but ", c10::str(value.sizes()), " in stage ", index));
-        }
-        target.copy_(value);
-        return absl::OkStatus();
-      };
-      for (const auto& p : stage.named_parameters(true)) PIPPY_RETURN_IF_ERROR(copy(p.name, p.value));
-      for (const auto& b : stage.named_buffers(true)) PIPPY_RETURN_IF_ERROR(copy(b.name, b.value));
+// Copies `value` into the model's tensor `name` (a dotted path).
+absl::Status CopyInto(torch::jit::Module& model, const std::string& name, const at::Tensor& value, int stage) {
+  std::vector<std::string> path = absl::StrSplit(name, '.');
+  torch::jit::Module owner = model;
+  for (size_t i = 0; i + 1 < path.size(); ++i) {
+    if (!owner.hasattr(path[i]) || !owner.attr(path[i]).isModule()) {
+      return absl::InvalidArgumentError(absl::StrCat("the model has no '", name, "' (stage ", stage, ")"));
     }
-    std::ostringstream out;
-    model.save(out);
-    return out.str();
-  });
+    owner = owner.attr(path[i]).toModule();
+  }
+  if (!owner.hasattr(path.back()) || !owner.attr(path.back()).isTensor()) {
+    return absl::InvalidArgumentError(absl::StrCat("the model has no tensor '", name, "' (stage ", stage, ")"));
+  }
+  at::Tensor target = owner.attr(path.back()).toTensor();
+  if (target.sizes() != value.sizes()) {
+    return absl::InvalidArgumentError(absl::StrCat("'", name, "' has shape ", c10::str(target.sizes()),
+                                                   " in the model but ", c10::str(value.sizes()), " in stage ", stage));
+  }
+  target.copy_(value);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status MergeStagesIntoModel(const std::string& model_path, const std::map<int, std::string>& stage_paths,
+                                  const std::string& out_path) {
+  PIPPY_ASSIGN_OR_RETURN(torch::jit::Module model, LoadModel(model_path));
+  for (const auto& [index, path] : stage_paths) {
+    // One stage at a time: it is released before the next is loaded.
+    PIPPY_ASSIGN_OR_RETURN(torch::jit::Module stage, LoadModel(path));
+    PIPPY_RETURN_IF_ERROR(TorchCall(absl::StrCat("merging trained stage ", index), [&]() -> absl::Status {
+      torch::NoGradGuard no_grad;
+      for (const auto& p : stage.named_parameters(true)) PIPPY_RETURN_IF_ERROR(CopyInto(model, p.name, p.value, index));
+      for (const auto& b : stage.named_buffers(true)) PIPPY_RETURN_IF_ERROR(CopyInto(model, b.name, b.value, index));
+      return absl::OkStatus();
+    }));
+  }
+  return SaveModule(model, out_path);
 }
 
 }  // namespace pippy::partition

@@ -6,17 +6,19 @@
 #include <map>
 #include <string>
 
-#include "absl/status/statusor.h"
+#include "absl/status/status.h"
 
 namespace pippy::partition {
 
-// `model_bytes`: the submitted model; `stages`: stage index -> TorchScript archive of
+// `model_path`: the submitted model; `stage_paths`: stage index -> TorchScript file of
 // the trained stage. Every parameter and buffer of every stage is copied into the
-// model under its name (tied weights: the same tensor, written once per name).
-// Returns the merged model's archive. Errors: INVALID_ARGUMENT naming a stage
-// parameter the model does not have or whose shape differs.
-absl::StatusOr<std::string> MergeStagesIntoModel(const std::string& model_bytes,
-                                                 const std::map<int, std::string>& stages);
+// model under its name (tied weights: the same tensor, written once per name), one
+// stage in memory at a time, and the model is saved to `out_path` (atomically).
+// Memory: the model plus its largest stage.
+// Errors: INVALID_ARGUMENT naming a stage parameter the model does not have or whose
+// shape differs; NOT_FOUND / INVALID_ARGUMENT for files that are missing or corrupt.
+absl::Status MergeStagesIntoModel(const std::string& model_path, const std::map<int, std::string>& stage_paths,
+                                  const std::string& out_path);
 
 }  // namespace pippy::partition
 

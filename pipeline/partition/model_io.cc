@@ -1,5 +1,7 @@
 #include "pipeline/partition/model_io.h"
 
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -8,6 +10,8 @@
 #include "absl/strings/str_join.h"
 #include "common/status.h"
 #include "common/torch_status.h"
+#include "caffe2/serialize/read_adapter_interface.h"
+#include "torch/csrc/jit/serialization/export.h"
 #include "torch/csrc/jit/serialization/import.h"
 #include "torch/csrc/jit/serialization/pickle.h"
 
@@ -31,25 +35,37 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
   return buf.str();
 }
 
-absl::StatusOr<torch::jit::Module> LoadModel(const std::string& path) {
-  PIPPY_ASSIGN_OR_RETURN(std::string bytes, ReadFile(path));
-  return LoadModelFromBytes(bytes, path);
-}
+namespace {
 
-absl::StatusOr<torch::jit::Module> LoadModelFromBytes(const std::string& bytes,
-                                                      const std::string& name) {
-  if (bytes.empty()) {
+// Reads a TorchScript archive in place from memory that outlives the load.
+class ViewReadAdapter : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  explicit ViewReadAdapter(absl::string_view bytes) : bytes_(bytes) {}
+  size_t size() const override { return bytes_.size(); }
+  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/) const override {
+    if (pos >= bytes_.size()) return 0;
+    n = std::min<size_t>(n, bytes_.size() - pos);
+    std::memcpy(buf, bytes_.data() + pos, n);
+    return n;
+  }
+
+ private:
+  absl::string_view bytes_;
+};
+
+// Loads through `load` (from a file or from memory) and turns LibTorch's errors into
+// messages that say what the file is and what to do.
+absl::StatusOr<torch::jit::Module> LoadArchive(const std::string& name, absl::string_view head, uint64_t size,
+                                               const std::function<torch::jit::Module()>& load) {
+  if (size == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("'", name, "' is empty, not a TorchScript archive: ", kHowToSave));
   }
-  if (!IsZip(bytes)) {
+  if (!IsZip(std::string(head.substr(0, 4)))) {
     return absl::InvalidArgumentError(absl::StrCat(
         "'", name, "' is not a TorchScript archive (it is not a zip file): ", kHowToSave));
   }
-  std::istringstream in(bytes);
-  absl::StatusOr<torch::jit::Module> loaded =
-      TorchCall(absl::StrCat("loading '", name, "'"),
-                [&] { return torch::jit::load(in, c10::Device(c10::kCPU)); });
+  absl::StatusOr<torch::jit::Module> loaded = TorchCall(absl::StrCat("loading '", name, "'"), load);
   if (!loaded.ok()) {
     std::string msg(loaded.status().message());
     if (absl::StrContains(msg, "central directory") || absl::StrContains(msg, "failed reading zip") ||
@@ -70,6 +86,61 @@ absl::StatusOr<torch::jit::Module> LoadModelFromBytes(const std::string& bytes,
         absl::StrCat("'", name, "' has no forward() method: pippy splits forward()"));
   }
   return loaded;
+}
+
+}  // namespace
+
+absl::StatusOr<torch::jit::Module> LoadModel(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open '", path, "': no such file or not readable"));
+  char head[4] = {0, 0, 0, 0};
+  in.read(head, 4);
+  const std::streamsize got = in.gcount();
+  in.close();
+  std::error_code ec;
+  const uint64_t size = std::filesystem::file_size(path, ec);
+  if (ec) return absl::NotFoundError(absl::StrCat("cannot read '", path, "': ", ec.message()));
+  return LoadArchive(path, absl::string_view(head, static_cast<size_t>(got)), size,
+                     [&] { return torch::jit::load(path, c10::Device(c10::kCPU)); });
+}
+
+absl::StatusOr<torch::jit::Module> LoadModelFromBytes(absl::string_view bytes, const std::string& name) {
+  return LoadArchive(name, bytes, bytes.size(), [&] {
+    return torch::jit::load(std::make_shared<ViewReadAdapter>(bytes), c10::Device(c10::kCPU));
+  });
+}
+
+absl::Status WriteModule(const torch::jit::Module& module,
+                         const std::function<absl::Status(absl::string_view)>& sink) {
+  absl::Status sink_error;
+  absl::Status s = TorchCall("writing a TorchScript archive", [&] {
+    torch::jit::ExportModule(module, [&](const void* data, size_t n) -> size_t {
+      if (!sink_error.ok()) return 0;
+      sink_error = sink(absl::string_view(static_cast<const char*>(data), n));
+      return sink_error.ok() ? n : 0;
+    });
+  }, absl::StatusCode::kInternal);
+  if (!sink_error.ok()) return sink_error;
+  return s;
+}
+
+absl::Status SaveModule(const torch::jit::Module& module, const std::string& path) {
+  const std::string tmp = absl::StrCat(path, ".tmp");
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) return absl::PermissionDeniedError(absl::StrCat("cannot write '", tmp, "'"));
+    PIPPY_RETURN_IF_ERROR(WriteModule(module, [&](absl::string_view piece) -> absl::Status {
+      out.write(piece.data(), static_cast<std::streamsize>(piece.size()));
+      if (!out) return absl::UnavailableError(absl::StrCat("writing '", tmp, "' failed (disk full?)"));
+      return absl::OkStatus();
+    }));
+    out.flush();
+    if (!out) return absl::UnavailableError(absl::StrCat("writing '", tmp, "' failed (disk full?)"));
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) return absl::UnavailableError(absl::StrCat("cannot rename '", tmp, "' to '", path, "': ", ec.message()));
+  return absl::OkStatus();
 }
 
 std::vector<std::string> ForwardArgumentNames(const torch::jit::Module& model) {
@@ -93,7 +164,12 @@ absl::StatusOr<c10::IValue> LoadTorchSaved(const std::string& path) {
 absl::StatusOr<std::vector<c10::IValue>> ToForwardArguments(const c10::IValue& value,
                                                             const torch::jit::Module& model,
                                                             const std::string& what) {
-  std::vector<std::string> names = ForwardArgumentNames(model);
+  return ToForwardArguments(value, ForwardArgumentNames(model), what);
+}
+
+absl::StatusOr<std::vector<c10::IValue>> ToForwardArguments(const c10::IValue& value,
+                                                            const std::vector<std::string>& names,
+                                                            const std::string& what) {
   std::vector<c10::IValue> args;
   if (value.isGenericDict()) {
     auto dict = value.toGenericDict();

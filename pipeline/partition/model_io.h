@@ -8,7 +8,9 @@
 #ifndef PIPPY_PIPELINE_PARTITION_MODEL_IO_H_
 #define PIPPY_PIPELINE_PARTITION_MODEL_IO_H_
 
+#include <functional>
 #include <string>
+#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -16,12 +18,23 @@
 
 namespace pippy::partition {
 
-// Loads a model saved with torch.jit.script(m).save(path) (or torch.jit.trace).
+// Loads a model saved with torch.jit.script(m).save(path) (or torch.jit.trace). The
+// file is read record by record: loading needs the model's memory, not twice it.
 absl::StatusOr<torch::jit::Module> LoadModel(const std::string& path);
 
-// Same, from the bytes of such a file; `name` is used in messages.
-absl::StatusOr<torch::jit::Module> LoadModelFromBytes(const std::string& bytes,
-                                                      const std::string& name);
+// Same, from the bytes of such a file (read in place, not copied); `name` is used in
+// messages. `bytes` must outlive the call only.
+absl::StatusOr<torch::jit::Module> LoadModelFromBytes(absl::string_view bytes, const std::string& name);
+
+// Writes `module` as a TorchScript archive (what module.save writes) through `sink`,
+// piece by piece, without holding the archive in memory. A sink error stops the
+// write and is returned. Errors: INTERNAL from LibTorch's serializer.
+absl::Status WriteModule(const torch::jit::Module& module,
+                         const std::function<absl::Status(absl::string_view)>& sink);
+
+// WriteModule to a file, atomically (a temporary file renamed into place).
+// Errors: PERMISSION_DENIED or UNAVAILABLE naming the path.
+absl::Status SaveModule(const torch::jit::Module& module, const std::string& path);
 
 // Names of forward()'s arguments after self.
 std::vector<std::string> ForwardArgumentNames(const torch::jit::Module& model);
@@ -39,6 +52,10 @@ absl::StatusOr<c10::IValue> LoadTorchSaved(const std::string& path);
 // names the value in messages.
 absl::StatusOr<std::vector<c10::IValue>> ToForwardArguments(const c10::IValue& value,
                                                             const torch::jit::Module& model,
+                                                            const std::string& what);
+// Same, given forward()'s argument names.
+absl::StatusOr<std::vector<c10::IValue>> ToForwardArguments(const c10::IValue& value,
+                                                            const std::vector<std::string>& names,
                                                             const std::string& what);
 
 // Reads a whole file.

@@ -23,6 +23,29 @@ namespace {
 using torch::jit::Node;
 using torch::jit::Value;
 
+// The buffers of a module (batch-norm statistics and the like), copied at
+// construction and written back at destruction: a forward pass run only to measure
+// leaves the module as it was, without a copy of its parameters.
+class BufferSnapshot {
+ public:
+  explicit BufferSnapshot(const torch::jit::Module& module) {
+    for (const auto& b : module.named_buffers(/*recurse=*/true)) {
+      if (b.value.defined()) saved_.emplace_back(b.value, b.value.clone());
+    }
+  }
+  BufferSnapshot(BufferSnapshot&&) = default;
+  BufferSnapshot& operator=(BufferSnapshot&&) = default;
+  ~BufferSnapshot() {
+    torch::NoGradGuard no_grad;
+    for (auto& [live, copy] : saved_) {
+      if (live.defined()) live.copy_(copy);
+    }
+  }
+
+ private:
+  std::vector<std::pair<at::Tensor, at::Tensor>> saved_;
+};
+
 void FillMeta(const at::Tensor& t, TensorMeta* meta) {
   meta->set_dtype(DtypeName(t.scalar_type()));
   for (int64_t d : t.sizes()) meta->add_shape(d);
@@ -119,9 +142,9 @@ absl::StatusOr<std::vector<std::vector<c10::IValue>>> CaptureOpOutputs(
     all.insert(all.end(), captured.begin(), captured.end());
     graph->registerOutput(graph->insertNode(graph->createTuple(all))->output());
     torch::jit::GraphFunction fn("pippy_capture", graph, nullptr);
-    torch::jit::Module copy = mg.model().deepcopy();
+    BufferSnapshot restore(mg.model());  // the model runs itself; its buffers are put back
     torch::jit::Stack stack;
-    stack.push_back(copy._ivalue());
+    stack.push_back(mg.model()._ivalue());
     for (const auto& in : inputs) stack.push_back(in);
     torch::NoGradGuard no_grad;
     fn.run(stack);
@@ -204,8 +227,9 @@ absl::StatusOr<std::vector<double>> FlopCosts(const ModelGraph& mg,
 }
 
 // Builds all stages for the cuts and fills the plan (without costs or example data).
-absl::Status BuildPipe(const ModelGraph& mg, const std::vector<int>& cuts, Pipe* pipe) {
+absl::Status BuildPipe(const ModelGraph& mg, const std::vector<int>& cuts, bool share_tensors, Pipe* pipe) {
   StageGraphs sg = DefineStages(mg, cuts);
+  for (StageDefinition& def : sg.defs) def.share_tensors = share_tensors;
   PipelinePlan& plan = pipe->plan;
   std::vector<std::vector<int>> tensor_stages(mg.tensors().size());
   for (const StageDefinition& def : sg.defs) {
@@ -295,8 +319,11 @@ absl::StatusOr<std::vector<double>> RunExample(Pipe* pipe, const std::vector<c10
     for (int i = 0; i < plan.inputs_size(); ++i) {
       if (inputs[i].isTensor()) FillMeta(inputs[i].toTensor(), plan.mutable_inputs(i)->mutable_example());
     }
-    std::vector<torch::jit::Module> copies;
-    for (const auto& s : pipe->stages) copies.push_back(s.deepcopy());
+    // The stages themselves run (no copies: a copy of every stage is a copy of the
+    // model); what a forward may change, the buffers, is put back afterwards.
+    std::vector<torch::jit::Module>& copies = pipe->stages;
+    std::vector<BufferSnapshot> restore;
+    for (const auto& s : copies) restore.emplace_back(s);
     std::vector<double> times(copies.size(), 1e300);
     torch::NoGradGuard no_grad;
     for (int r = 0; r < repeats; ++r) {
@@ -339,21 +366,13 @@ absl::StatusOr<std::vector<double>> RunExample(Pipe* pipe, const std::vector<c10
 
 }  // namespace
 
-absl::StatusOr<Balance> ParseBalance(const std::string& text) {
-  if (text == "params") return Balance::kParams;
-  if (text == "flops") return Balance::kFlops;
-  if (text == "time") return Balance::kTime;
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown --balance '", text, "': use params, flops or time"));
-}
-
-std::string BalanceName(Balance balance) {
-  switch (balance) {
-    case Balance::kParams: return "params";
-    case Balance::kFlops: return "flops";
-    case Balance::kTime: return "time";
-  }
-  return "";
+absl::StatusOr<c10::IValue> RunForwardOnce(const torch::jit::Module& model, const std::vector<c10::IValue>& inputs) {
+  BufferSnapshot restore(model);
+  return TorchCall("forward", [&] {
+    torch::NoGradGuard no_grad;
+    torch::jit::Module m = model;
+    return m.forward(inputs);
+  });
 }
 
 absl::StatusOr<Pipe> SplitModel(const torch::jit::Module& model, const SplitOptions& options) {
@@ -398,18 +417,19 @@ absl::StatusOr<Pipe> SplitModel(const torch::jit::Module& model, const SplitOpti
     PIPPY_ASSIGN_OR_RETURN(cuts, CutsFromMarkers(*mg));
   } else {
     plan.set_split_method("auto");
-    plan.set_balance(BalanceName(options.balance));
+    const Balance balance = options.balance == BALANCE_UNSPECIFIED ? BALANCE_PARAMS : options.balance;
+    plan.set_balance(balance);
     int k = std::max(options.num_stages, 1);
     std::vector<int> candidates;
-    if (options.balance != Balance::kParams && !have_example) {
+    if (balance != BALANCE_PARAMS && !have_example) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "--balance ", BalanceName(options.balance),
+          "--balance ", balance == BALANCE_FLOPS ? "flops" : "time",
           " needs --example-input FILE (costs depend on the input's shapes); or use --balance params"));
     }
-    if (options.balance == Balance::kFlops) {
+    if (balance == BALANCE_FLOPS) {
       PIPPY_ASSIGN_OR_RETURN(op_costs, FlopCosts(*mg, options.example_inputs));
       plan.set_cost_unit("flop");
-    } else if (options.balance == Balance::kTime) {
+    } else if (balance == BALANCE_TIME) {
       // Profile spans between (at most 64) evenly spread legal cuts as stages, then
       // balance the measured times over those spans.
       const auto& legal = mg->legal_cuts();
@@ -418,7 +438,7 @@ absl::StatusOr<Pipe> SplitModel(const torch::jit::Module& model, const SplitOpti
       candidates.erase(std::unique(candidates.begin(), candidates.end()), candidates.end());
       Pipe probe;
       *probe.plan.mutable_inputs() = plan.inputs();
-      PIPPY_RETURN_IF_ERROR(BuildPipe(*mg, candidates, &probe));
+      PIPPY_RETURN_IF_ERROR(BuildPipe(*mg, candidates, /*share_tensors=*/true, &probe));
       PIPPY_ASSIGN_OR_RETURN(std::vector<double> times, RunExample(&probe, options.example_inputs, 3));
       op_costs.assign(mg->num_ops(), 0.0);
       for (const StagePlan& sp : probe.plan.stages()) op_costs[sp.first_node()] = times[sp.index()];
@@ -426,7 +446,7 @@ absl::StatusOr<Pipe> SplitModel(const torch::jit::Module& model, const SplitOpti
     }
     PIPPY_ASSIGN_OR_RETURN(cuts, BalancedCuts(*mg, k, op_costs, candidates));
   }
-  PIPPY_RETURN_IF_ERROR(BuildPipe(*mg, cuts, &pipe));
+  PIPPY_RETURN_IF_ERROR(BuildPipe(*mg, cuts, options.share_tensors, &pipe));
   // Stage costs in the balance's unit.
   for (StagePlan& sp : *plan.mutable_stages()) {
     double c = 0;

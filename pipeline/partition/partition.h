@@ -16,25 +16,24 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "proto/job.pb.h"
 #include "proto/plan.pb.h"
 #include "torch/script.h"
 
 namespace pippy::partition {
 
-enum class Balance {
-  kParams,  // equal parameter bytes
-  kFlops,   // equal estimated FLOPs, from the shapes seen with the example input
-  kTime,    // equal measured forward time on the example input
-};
-
-// "params" | "flops" | "time"
-absl::StatusOr<Balance> ParseBalance(const std::string& text);
-std::string BalanceName(Balance balance);
-
 struct SplitOptions {
   std::vector<std::string> split_at;  // explicit split points; see CutsFromSplitAt
   int num_stages = 0;                 // automatic split (0: markers, or one stage)
-  Balance balance = Balance::kParams;
+  // What an automatic split equalises: parameter bytes (PARAMS, also UNSPECIFIED),
+  // estimated FLOPs from the shapes seen with the example input (FLOPS), or measured
+  // forward time on the example input (TIME).
+  Balance balance = BALANCE_PARAMS;
+  // Stage parameters and buffers alias the model's tensors instead of being copies:
+  // for a caller that only writes the stages out (the coordinator), so that a split
+  // needs no second copy of the model. Stages that will be trained in the same process
+  // as each other must own their tensors (tied weights appear in several stages).
+  bool share_tensors = false;
   // forward() arguments of an example batch: fills the plan's shapes and activation
   // bytes; required by kFlops and kTime.
   std::vector<c10::IValue> example_inputs;
@@ -46,10 +45,18 @@ struct Pipe {
   std::vector<torch::jit::Module> stages;  // standalone; see stage_builder.h
 };
 
+// With example inputs, the stages run them once (without gradients) to record shapes;
+// buffers a forward changes (batch-norm statistics) are restored afterwards, so
+// neither the model nor the stages are changed by it.
 // Errors: INVALID_ARGUMENT for anything about the model or the options (unknown split
 // points, illegal cuts, too many stages, calls that cannot be inlined, an example
 // input that does not fit), with a message that says what to do.
 absl::StatusOr<Pipe> SplitModel(const torch::jit::Module& model, const SplitOptions& options);
+
+// Runs `model`'s forward once on `inputs` without gradients and puts back what the
+// run changed in its buffers (batch-norm statistics): a check that an input fits,
+// without a copy of the model. Errors: INVALID_ARGUMENT with LibTorch's message.
+absl::StatusOr<c10::IValue> RunForwardOnce(const torch::jit::Module& model, const std::vector<c10::IValue>& inputs);
 
 // A legal cut position and how to name it with --split-at.
 struct CutPoint {

@@ -147,7 +147,7 @@ TEST(AutoSplit, MoreStagesThanLegalCuts_SaysHowMany) {
 TEST(AutoSplit, FlopsWithoutExample_AsksForExampleInput) {
   SplitOptions opts;
   opts.num_stages = 2;
-  opts.balance = Balance::kFlops;
+  opts.balance = BALANCE_FLOPS;
   absl::Status s = SplitError("mlp.pt", opts);
   EXPECT_THAT(s.message(), HasSubstr("needs --example-input"));
 }

@@ -136,7 +136,13 @@ class StageBuilder {
     size_t slot = otype->getAttributeSlot(name);
     c10::IValue value = original._ivalue()->getSlot(slot);
     if (value.isTensor()) {
-      at::Tensor t = value.toTensor().detach().clone();
+      const at::Tensor& original = value.toTensor();
+      // Shared only where the tensor is its whole storage: saving a view would write
+      // the storage it views (all of it) into the stage's file.
+      const bool whole = original.storage().nbytes() ==
+                         static_cast<size_t>(original.numel()) * original.element_size();
+      at::Tensor t = def_.share_tensors && whole && original.is_contiguous() ? original.detach()
+                                                                              : original.detach().clone();
       if (otype->is_parameter(slot)) t.requires_grad_(value.toTensor().requires_grad());
       parent.register_parameter(name, t, /*is_buffer=*/!otype->is_parameter(slot));
       registered_tensors_[path] = mg_.TensorIndexOf(path);

@@ -4,7 +4,8 @@
 // a stage holding blocks.3 has a submodule `blocks`, with `3`, with its parameters, so
 // that state_dict() names match the original model. forward(self, *inputs) runs the
 // stage's ops; a non-final stage returns a tuple of its outputs, the final stage the
-// model's own return value. Parameters are copies (each stage owns its tensors).
+// model's own return value. Parameters are copies (each stage owns its tensors) unless
+// the definition asks to share them with the model.
 // A tensor used under several names (tied weights) appears once per stage, under the
 // first of its names (in module order) that the stage reads.
 #ifndef PIPPY_PIPELINE_PARTITION_STAGE_BUILDER_H_
@@ -24,6 +25,7 @@ struct StageDefinition {
   int begin = 0;  // first op
   int end = 0;    // one past the last op
   bool is_last = false;
+  bool share_tensors = false;  // alias the model's parameters and buffers (see SplitOptions)
   std::vector<torch::jit::Value*> inputs;   // values of the model graph, in order
   std::vector<torch::jit::Value*> outputs;  // non-final stages only
 };

@@ -2,6 +2,7 @@
 
 #include "ATen/ATen.h"
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 #include "common/torch_status.h"
 #include "pipeline/partition/model_io.h"
 #include "torch/csrc/jit/serialization/pickle.h"
@@ -18,28 +19,41 @@ at::Tensor Rows(int64_t step, int64_t batch, int64_t n) {
   return at::remainder(at::arange(step * batch, (step + 1) * batch, at::kLong), n);
 }
 
-}  // namespace
-
-absl::StatusOr<DataSource> DataSource::FromBytes(const std::string& bytes, const torch::jit::Module& model) {
-  if (bytes.size() < 4 || bytes.compare(0, 4, "PK\x03\x04") != 0) {
-    return absl::InvalidArgumentError(
-        "data: not a file written by torch.save (expected torch.save({\"inputs\": ..., \"targets\": ...}, path))");
+absl::StatusOr<c10::impl::GenericDict> LoadDict(absl::string_view bytes, const std::string& what) {
+  if (bytes.size() < 4 || bytes.substr(0, 4) != absl::string_view("PK\x03\x04", 4)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": not a file written by torch.save (expected torch.save({\"inputs\": ..., \"targets\": ...}, path))"));
   }
   std::vector<char> data(bytes.begin(), bytes.end());
-  auto loaded = TorchCall("data", [&] { return torch::jit::pickle_load(data); });
-  if (!loaded.ok()) return loaded.status();
-  if (!loaded->isGenericDict()) {
-    return absl::InvalidArgumentError("data: expected a dict {\"inputs\": ..., \"targets\": ...}");
+  PIPPY_ASSIGN_OR_RETURN(c10::IValue loaded, TorchCall(what, [&] { return torch::jit::pickle_load(data); }));
+  if (!loaded.isGenericDict()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": expected a dict {\"inputs\": ..., \"targets\": ...}"));
   }
-  auto dict = loaded->toGenericDict();
+  return loaded.toGenericDict();
+}
+
+}  // namespace
+
+absl::StatusOr<DataSource> DataSource::FromBytes(absl::string_view bytes, const std::vector<std::string>& names) {
+  PIPPY_ASSIGN_OR_RETURN(c10::impl::GenericDict dict, LoadDict(bytes, "data"));
   auto inputs = dict.find(std::string("inputs"));
   if (inputs == dict.end()) return absl::InvalidArgumentError("data: the dict has no \"inputs\" entry");
-  DataSource ds;
-  auto args = partition::ToForwardArguments(inputs->value(), model, "data \"inputs\"");
-  if (!args.ok()) return args.status();
-  ds.inputs_ = *args;
+  PIPPY_ASSIGN_OR_RETURN(std::vector<c10::IValue> args,
+                         partition::ToForwardArguments(inputs->value(), names, "data \"inputs\""));
   auto targets = dict.find(std::string("targets"));
-  if (targets != dict.end()) ds.target_ = targets->value();
+  return FromValues(std::move(args), targets != dict.end() ? targets->value() : c10::IValue(), names);
+}
+
+absl::StatusOr<DataSource> DataSource::FromValues(std::vector<c10::IValue> inputs, c10::IValue targets,
+                                                  const std::vector<std::string>& names) {
+  if (inputs.size() != names.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("data: ", inputs.size(), " input(s) but forward() takes ",
+                                                   names.size()));
+  }
+  DataSource ds;
+  ds.names_ = names;
+  ds.inputs_ = std::move(inputs);
+  ds.target_ = std::move(targets);
   ds.num_samples_ = -1;
   auto count = [&](const c10::IValue& v, const std::string& what) -> absl::Status {
     if (!v.isTensor()) return absl::OkStatus();
@@ -52,14 +66,60 @@ absl::StatusOr<DataSource> DataSource::FromBytes(const std::string& bytes, const
     ds.num_samples_ = t.size(0);
     return absl::OkStatus();
   };
-  auto names = partition::ForwardArgumentNames(model);
   for (size_t i = 0; i < ds.inputs_.size(); ++i) {
-    absl::Status s = count(ds.inputs_[i], absl::StrCat("input '", names[i], "'"));
-    if (!s.ok()) return s;
+    PIPPY_RETURN_IF_ERROR(count(ds.inputs_[i], absl::StrCat("input '", names[i], "'")));
   }
-  absl::Status s = count(ds.target_, "\"targets\"");
-  if (!s.ok()) return s;
+  PIPPY_RETURN_IF_ERROR(count(ds.target_, "\"targets\""));
   if (ds.num_samples_ <= 0) return absl::InvalidArgumentError("data: no tensor with samples in \"inputs\"");
+  return ds;
+}
+
+absl::StatusOr<std::string> DataSource::ShareBytes(const std::vector<int>& input_indices, bool with_targets) const {
+  if (input_indices.empty() && !with_targets) return std::string();
+  return TorchCall("writing a rank's share of the data", [&]() -> absl::StatusOr<std::string> {
+    // Keyed by argument position: the rank knows the plan's inputs, not the model.
+    c10::impl::GenericDict inputs(c10::IntType::get(), c10::AnyType::get());
+    for (int i : input_indices) {
+      if (i < 0 || i >= static_cast<int>(inputs_.size())) {
+        return absl::InternalError(absl::StrCat("the plan reads model input ", i, " but forward() takes ",
+                                                inputs_.size()));
+      }
+      inputs.insert(static_cast<int64_t>(i), inputs_[i]);
+    }
+    c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
+    dict.insert("inputs", inputs);
+    if (with_targets && !target_.isNone()) dict.insert("targets", target_);
+    dict.insert("num_samples", num_samples_);
+    std::vector<char> bytes = torch::jit::pickle_save(dict);
+    return std::string(bytes.begin(), bytes.end());
+  });
+}
+
+absl::StatusOr<DataSource> DataSource::FromShareBytes(absl::string_view bytes, const std::vector<std::string>& names) {
+  DataSource ds;
+  ds.names_ = names;
+  ds.inputs_.assign(names.size(), c10::IValue());
+  if (bytes.empty()) {
+    ds.num_samples_ = 1;
+    return ds;
+  }
+  PIPPY_ASSIGN_OR_RETURN(c10::impl::GenericDict dict, LoadDict(bytes, "this rank's share of the data"));
+  auto inputs = dict.find(std::string("inputs"));
+  auto samples = dict.find(std::string("num_samples"));
+  if (inputs == dict.end() || !inputs->value().isGenericDict() || samples == dict.end() ||
+      !samples->value().isInt()) {
+    return absl::InvalidArgumentError("this rank's share of the data lacks \"inputs\" or \"num_samples\"");
+  }
+  for (const auto& entry : inputs->value().toGenericDict()) {
+    if (!entry.key().isInt() || entry.key().toInt() < 0 || entry.key().toInt() >= static_cast<int64_t>(names.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("data share: input keys must be positions below ", names.size()));
+    }
+    ds.inputs_[entry.key().toInt()] = entry.value();
+  }
+  auto targets = dict.find(std::string("targets"));
+  if (targets != dict.end()) ds.target_ = targets->value();
+  ds.num_samples_ = samples->value().toInt();
+  if (ds.num_samples_ <= 0) return absl::InvalidArgumentError("data share: no samples");
   return ds;
 }
 

@@ -69,20 +69,6 @@ struct RankRuntime::StepState {
 
 RankRuntime::~RankRuntime() = default;
 
-schedule::StageGraph StageGraphOf(const PipelinePlan& plan) {
-  schedule::StageGraph g;
-  g.consumers.resize(plan.stages_size());
-  for (const StagePlan& sp : plan.stages()) {
-    for (const StageInput& si : sp.inputs()) {
-      if (si.source_case() != StageInput::kSourceStage) continue;
-      auto& c = g.consumers[si.source_stage()];
-      if (std::find(c.begin(), c.end(), sp.index()) == c.end()) c.push_back(sp.index());
-    }
-  }
-  for (auto& c : g.consumers) std::sort(c.begin(), c.end());
-  return g;
-}
-
 absl::StatusOr<std::unique_ptr<RankRuntime>> RankRuntime::Create(int rank, const PipelinePlan& plan,
                                                                 std::map<int, torch::jit::Module> stages,
                                                                 const schedule::Schedule& schedule,
@@ -140,7 +126,6 @@ absl::StatusOr<std::unique_ptr<RankRuntime>> RankRuntime::Create(int rank, const
     }
   }
   if (!schedule.forward_only) {
-    PIPPY_ASSIGN_OR_RETURN(rt->loss_kind_, ParseLoss(options.loss));
     std::vector<at::Tensor> params;
     for (const auto& [s, m] : rt->stages_) {
       for (const at::Tensor& p : rt->LocalParameters(s)) params.push_back(p);
@@ -322,7 +307,7 @@ absl::Status RankRuntime::Forward(StepState& st, int s, int mb) {
   StepState::Saved saved;
   if (sp.is_last()) {
     if (st.training) {
-      PIPPY_ASSIGN_OR_RETURN(saved.loss, ComputeLoss(loss_kind_, module, out, st.mb_targets[mb]));
+      PIPPY_ASSIGN_OR_RETURN(saved.loss, ComputeLoss(options_.loss, module, out, st.mb_targets[mb]));
       st.loss_sum += saved.loss.item<double>();
     } else {
       st.final_outputs[mb] = out;

@@ -36,7 +36,7 @@
 namespace pippy::stage {
 
 struct RuntimeOptions {
-  std::string loss = "mse";        // mse | cross_entropy | model; ignored for inference
+  LossKind loss = LOSS_MSE;        // ignored for inference
   OptimizerOptions optimizer;
   double clip_grad_norm = 0;       // 0: no clipping
   absl::Duration timeout = absl::Seconds(60);  // per wait
@@ -52,9 +52,6 @@ struct StepResult {
   int peak_live_activations = 0;   // micro-batches holding autograd state, all local stages
   double grad_norm = 0;            // global norm before clipping (when clipping)
 };
-
-// The stage graph (who consumes whose outputs) of a plan, for MakeSchedule.
-schedule::StageGraph StageGraphOf(const PipelinePlan& plan);
 
 class RankRuntime {
  public:
@@ -110,7 +107,6 @@ class RankRuntime {
   schedule::Schedule schedule_;
   transport::Transport* transport_ = nullptr;
   RuntimeOptions options_;
-  LossKind loss_kind_ = LossKind::kMse;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   // Tied parameters of each local stage: (parameter, tie group).
   std::map<int, std::vector<std::pair<at::Tensor, int>>> tied_params_;

@@ -13,6 +13,9 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "pipeline/job/job_plan.h"
+#include "pipeline/job/job_spec.h"
+#include "pipeline/job/rank_job.h"
 #include "pipeline/partition/model_io.h"
 #include "pipeline/partition/partition.h"
 #include "pipeline/partition/sequential_runner.h"
@@ -37,14 +40,14 @@ using testing::RelDiff;
 
 struct ModelSpec {
   std::string name;
-  std::string loss;
+  LossKind loss;
   bool batch_coupled;  // BatchNorm, data-dependent branches: only the micro-batched reference applies
 };
 
 const ModelSpec kModels[] = {
-    {"mlp", "mse", false},         {"gpt", "model", false},  {"unet", "mse", false},
-    {"cnn_bn", "cross_entropy", true},
-    {"multi", "model", true},  // branches on the batch mean: per micro-batch, like BatchNorm
+    {"mlp", LOSS_MSE, false},         {"gpt", LOSS_MODEL, false},  {"unet", LOSS_MSE, false},
+    {"cnn_bn", LOSS_CROSS_ENTROPY, true},
+    {"multi", LOSS_MODEL, true},  // branches on the batch mean: per micro-batch, like BatchNorm
 };
 
 struct Case {
@@ -52,15 +55,14 @@ struct Case {
   ScheduleKind kind;
   int ranks;
   int stages_per_rank;
-  std::string optimizer;
+  OptimizerKind optimizer;
   double clip = 0;
 };
 
-
-OptimizerOptions Optim(const std::string& name) {
+OptimizerOptions Optim(OptimizerKind kind) {
   OptimizerOptions o;
-  o.name = name;
-  if (name == "sgd") {
+  o.kind = kind;
+  if (kind == OPTIMIZER_SGD) {
     o.lr = 0.05;
     o.momentum = 0.9;
     o.weight_decay = 1e-4;
@@ -91,41 +93,73 @@ void RunPipeline(const Case& c, const std::vector<c10::IValue>& inputs, const c1
   auto pipe = partition::SplitModel(*model, so);
   ASSERT_TRUE(pipe.ok()) << pipe.status();
   run->pipe = std::move(*pipe);
+  auto transports = transport::loopback::Create(c.ranks);
+  // Generated schedules: the job's spec and job::RankJob, exactly as a worker sets up
+  // its rank; every step trains on the whole example batch.
+  JobSpec spec;
+  spec.mutable_schedule()->set_kind(*job::ParseSchedule(schedule::ScheduleKindName(c.kind)));
+  spec.mutable_schedule()->set_microbatches(kMicrobatches);
+  spec.mutable_schedule()->set_stages_per_worker(c.stages_per_rank);
+  spec.mutable_split()->set_stages(c.ranks * c.stages_per_rank);
+  spec.set_steps(kSteps);
+  for (const c10::IValue& in : inputs) {
+    if (in.isTensor()) {
+      spec.set_batch_size(static_cast<int>(in.toTensor().size(0)));
+      break;
+    }
+  }
+  if (c.kind != ScheduleKind::kForwardOnly) {
+    const OptimizerOptions o = Optim(c.optimizer);
+    spec.set_loss(c.model.loss);
+    spec.mutable_optimizer()->set_kind(o.kind);
+    spec.mutable_optimizer()->set_lr(o.lr);
+    spec.mutable_optimizer()->set_momentum(o.momentum);
+    spec.mutable_optimizer()->set_weight_decay(o.weight_decay);
+    spec.mutable_optimizer()->set_clip_grad_norm(c.clip);
+  }
+  ASSERT_TRUE(job::CheckSpec(&spec).ok()) << job::CheckSpec(&spec);
+  std::vector<std::string> names;
+  for (const ModelValue& v : run->pipe.plan.inputs()) names.push_back(v.name());
+  auto data = DataSource::FromValues(inputs, target, names);
+  ASSERT_TRUE(data.ok()) << data.status();
+  std::vector<std::unique_ptr<job::RankJob>> jobs;
+  std::vector<std::unique_ptr<RankRuntime>> runtimes;  // custom schedules only
   if (custom != nullptr) {
     run->schedule = *custom;
+    RuntimeOptions ro = job::RuntimeOptionsFor(spec, absl::Seconds(30));
+    for (int r = 0; r < c.ranks; ++r) {
+      std::map<int, torch::jit::Module> mine;
+      for (int s : run->schedule.StagesOf(r)) mine[s] = run->pipe.stages[s];
+      auto rt = RankRuntime::Create(r, run->pipe.plan, mine, run->schedule, transports[r].get(), ro);
+      ASSERT_TRUE(rt.ok()) << rt.status();
+      runtimes.push_back(std::move(*rt));
+    }
   } else {
-    schedule::ScheduleOptions opts;
-    opts.num_ranks = c.ranks;
-    opts.num_microbatches = kMicrobatches;
-    opts.stages_per_rank = c.stages_per_rank;
-    opts.graph = StageGraphOf(run->pipe.plan);
-    auto sched = schedule::MakeSchedule(c.kind, opts);
+    auto sched = job::ScheduleFor(spec, run->pipe.plan);
     ASSERT_TRUE(sched.ok()) << sched.status();
     run->schedule = *sched;
+    for (int r = 0; r < c.ranks; ++r) {
+      std::map<int, torch::jit::Module> mine;
+      for (int s : run->schedule.StagesOf(r)) mine[s] = run->pipe.stages[s];
+      auto rj = job::RankJob::Create(spec, run->pipe.plan, r, mine, transports[r].get(), absl::Seconds(30));
+      ASSERT_TRUE(rj.ok()) << rj.status();
+      jobs.push_back(std::move(*rj));
+    }
   }
   ASSERT_TRUE(schedule::Simulate(run->schedule).ok());
-  auto transports = transport::loopback::Create(c.ranks);
-  RuntimeOptions ro;
-  ro.loss = c.model.loss;
-  ro.optimizer = Optim(c.optimizer);
-  ro.clip_grad_norm = c.clip;
-  ro.timeout = absl::Seconds(30);
-  std::vector<std::unique_ptr<RankRuntime>> ranks;
-  for (int r = 0; r < c.ranks; ++r) {
-    std::map<int, torch::jit::Module> mine;
-    for (int s : run->schedule.StagesOf(r)) mine[s] = run->pipe.stages[s];
-    auto rt = RankRuntime::Create(r, run->pipe.plan, mine, run->schedule, transports[r].get(), ro);
-    ASSERT_TRUE(rt.ok()) << rt.status();
-    ranks.push_back(std::move(*rt));
-  }
   run->results.assign(c.ranks, {});
   run->errors.assign(c.ranks, absl::OkStatus());
   std::vector<std::thread> threads;
   for (int r = 0; r < c.ranks; ++r) {
     threads.emplace_back([&, r] {
       for (int step = 0; step < kSteps; ++step) {
-        absl::StatusOr<StepResult> res = run->schedule.forward_only ? ranks[r]->InferenceStep(step, inputs)
-                                                                     : ranks[r]->TrainStep(step, inputs, target);
+        absl::StatusOr<StepResult> res;
+        if (!jobs.empty()) {
+          res = jobs[r]->RunStep(step, *data);
+        } else {
+          res = run->schedule.forward_only ? runtimes[r]->InferenceStep(step, inputs)
+                                           : runtimes[r]->TrainStep(step, inputs, target);
+        }
         if (!res.ok()) {
           run->errors[r] = res.status();
           transport::loopback::KillRank(transports[r].get(), r);  // unblock the others
@@ -185,7 +219,7 @@ TEST_P(PipelineTrainingTest, ThreeSteps_MatchUnsplitTraining) {
   }
   g_worst_micro = std::max(g_worst_micro, micro);
   std::string line = absl::StrCat(c.model.name, " ", schedule::ScheduleKindName(c.kind), " ranks=", c.ranks,
-                                  " stages=", c.ranks * c.stages_per_rank, " ", c.optimizer,
+                                  " stages=", c.ranks * c.stages_per_rank, " ", job::OptimizerName(c.optimizer),
                                   " vs micro-batched reference: ", micro);
   if (!c.model.batch_coupled) {
     auto full_ref = partition::LoadModel(Zoo(c.model.name + ".pt"));
@@ -202,7 +236,9 @@ TEST_P(PipelineTrainingTest, ThreeSteps_MatchUnsplitTraining) {
       }
     }
     EXPECT_LE(full, std::max(1e-5, between_refs * (1 + 1e-6)));
-    if (c.optimizer == "sgd") EXPECT_LE(full, 1e-5);
+    if (c.optimizer == OPTIMIZER_SGD) {
+      EXPECT_LE(full, 1e-5);
+    }
     g_worst_full = std::max(g_worst_full, full);
     absl::StrAppend(&line, ", vs full batch: ", full, " (unsplit micro-batched vs full batch: ", between_refs, ")");
   }
@@ -221,12 +257,12 @@ std::vector<Case> TrainingCases() {
                      {ScheduleKind::kZBV, 2, 2}};
   for (const ModelSpec& m : kModels) {
     for (const K& k : kinds) {
-      for (const char* opt : {"sgd", "adamw"}) out.push_back({m, k.kind, k.ranks, k.v, opt});
+      for (OptimizerKind opt : {OPTIMIZER_SGD, OPTIMIZER_ADAMW}) out.push_back({m, k.kind, k.ranks, k.v, opt});
     }
   }
   // Global gradient clipping across all stages (tight enough to clip every step).
-  out.push_back({kModels[1], ScheduleKind::k1F1B, 4, 1, "sgd", 0.05});
-  out.push_back({kModels[0], ScheduleKind::kZBV, 2, 2, "adamw", 0.05});
+  out.push_back({kModels[1], ScheduleKind::k1F1B, 4, 1, OPTIMIZER_SGD, 0.05});
+  out.push_back({kModels[0], ScheduleKind::kZBV, 2, 2, OPTIMIZER_ADAMW, 0.05});
   return out;
 }
 
@@ -235,7 +271,7 @@ INSTANTIATE_TEST_SUITE_P(Zoo, PipelineTrainingTest, ::testing::ValuesIn(Training
                            std::string n = schedule::ScheduleKindName(i.param.kind);
                            for (char& ch : n) if (ch == '-') ch = '_';
                            return absl::StrCat(i.param.model.name, "_", n, "_r", i.param.ranks, "v",
-                                               i.param.stages_per_rank, "_", i.param.optimizer,
+                                               i.param.stages_per_rank, "_", job::OptimizerName(i.param.optimizer),
                                                i.param.clip > 0 ? "_clip" : "");
                          });
 
@@ -289,7 +325,7 @@ TEST_F(RuntimeBehaviourTest, ForwardOnly_EqualsUnsplitForward) {
   for (const char* name : {"mlp", "gpt", "unet", "multi"}) {
     Load(name);
     for (int v : {1, 2}) {
-      Case c{ModelSpec{name, "mse", false}, ScheduleKind::kForwardOnly, 2, v, "sgd"};
+      Case c{ModelSpec{name, LOSS_MSE, false}, ScheduleKind::kForwardOnly, 2, v, OPTIMIZER_SGD};
       PipelineRun run;
       RunPipeline(c, inputs_, target_, &run);
       for (const auto& e : run.errors) ASSERT_TRUE(e.ok()) << e;
@@ -321,7 +357,7 @@ TEST_F(RuntimeBehaviourTest, ForwardOnly_EqualsUnsplitForward) {
 
 TEST_F(RuntimeBehaviourTest, CsvScheduleReadBack_TrainsTheSame) {
   Load("gpt");
-  Case c{kModels[1], ScheduleKind::k1F1B, 4, 1, "adamw"};
+  Case c{kModels[1], ScheduleKind::k1F1B, 4, 1, OPTIMIZER_ADAMW};
   PipelineRun generated;
   RunPipeline(c, inputs_, target_, &generated);
   for (const auto& e : generated.errors) ASSERT_TRUE(e.ok()) << e;

@@ -6,17 +6,12 @@
 
 namespace pippy::stage {
 
-absl::StatusOr<LossKind> ParseLoss(const std::string& name) {
-  if (name == "mse") return LossKind::kMse;
-  if (name == "cross_entropy") return LossKind::kCrossEntropy;
-  if (name == "model") return LossKind::kModel;
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown loss '", name, "': use mse, cross_entropy or model (the model's loss() method)"));
-}
-
 absl::StatusOr<at::Tensor> ComputeLoss(LossKind kind, torch::jit::Module& module, const c10::IValue& output,
                                        const c10::IValue& target) {
-  if (kind == LossKind::kModel) {
+  if (kind != LOSS_MSE && kind != LOSS_CROSS_ENTROPY && kind != LOSS_MODEL) {
+    return absl::InvalidArgumentError("no loss given: use mse, cross_entropy or model");
+  }
+  if (kind == LOSS_MODEL) {
     if (!module.find_method("loss")) {
       return absl::InvalidArgumentError(
           "--loss model: the model has no loss(self, output, target) method; add one with @torch.jit.export "
@@ -36,7 +31,7 @@ absl::StatusOr<at::Tensor> ComputeLoss(LossKind kind, torch::jit::Module& module
   const at::Tensor& out = output.toTensor();
   const at::Tensor& tgt = target.toTensor();
   return TorchCall("computing the loss", [&]() -> absl::StatusOr<at::Tensor> {
-    if (kind == LossKind::kMse) {
+    if (kind == LOSS_MSE) {
       if (out.sizes() != tgt.sizes()) {
         return absl::InvalidArgumentError(absl::StrCat("mse: output shape ", c10::str(out.sizes()),
                                                        " and target shape ", c10::str(tgt.sizes()), " differ"));
@@ -56,21 +51,21 @@ absl::StatusOr<at::Tensor> ComputeLoss(LossKind kind, torch::jit::Module& module
 absl::StatusOr<std::unique_ptr<torch::optim::Optimizer>> MakeOptimizer(const OptimizerOptions& o,
                                                                        std::vector<at::Tensor> params) {
   if (o.lr <= 0) return absl::InvalidArgumentError(absl::StrCat("learning rate must be > 0 (got ", o.lr, ")"));
-  if (o.name == "sgd") {
+  if (o.kind == OPTIMIZER_SGD) {
     return std::unique_ptr<torch::optim::Optimizer>(new torch::optim::SGD(
         params, torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay)));
   }
-  if (o.name == "adam") {
+  if (o.kind == OPTIMIZER_ADAM) {
     return std::unique_ptr<torch::optim::Optimizer>(new torch::optim::Adam(
         params,
         torch::optim::AdamOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay)));
   }
-  if (o.name == "adamw") {
+  if (o.kind == OPTIMIZER_ADAMW) {
     return std::unique_ptr<torch::optim::Optimizer>(new torch::optim::AdamW(
         params,
         torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay)));
   }
-  return absl::InvalidArgumentError(absl::StrCat("unknown optimizer '", o.name, "': use sgd, adam or adamw"));
+  return absl::InvalidArgumentError("no optimizer given: use sgd, adam or adamw");
 }
 
 }  // namespace pippy::stage

@@ -8,22 +8,21 @@
 
 #include "absl/status/statusor.h"
 #include "torch/script.h"
+#include "proto/job.pb.h"
 #include "torch/optim.h"
 
 namespace pippy::stage {
 
-enum class LossKind { kMse, kCrossEntropy, kModel };
-
-// "mse" | "cross_entropy" | "model" (the scripted model's loss(self, output, target)).
-absl::StatusOr<LossKind> ParseLoss(const std::string& name);
-
-// The mean loss of `output` against `target`. kModel calls `module`'s loss method.
-// Errors: INVALID_ARGUMENT with the shapes when they do not fit.
+// The mean loss of `output` against `target` (the job spec's LossKind; names are parsed
+// in pipeline/job). LOSS_MODEL calls `module`'s loss(self, output, target) method.
+// Errors: INVALID_ARGUMENT with the shapes when they do not fit, or for UNSPECIFIED.
 absl::StatusOr<at::Tensor> ComputeLoss(LossKind kind, torch::jit::Module& module, const c10::IValue& output,
                                        const c10::IValue& target);
 
+// torch.optim's SGD, Adam and AdamW with the given hyper-parameters (the job spec's
+// OptimizerSpec after pipeline/job's CheckSpec filled in torch's defaults).
 struct OptimizerOptions {
-  std::string name = "sgd";  // sgd | adam | adamw
+  OptimizerKind kind = OPTIMIZER_SGD;
   double lr = 0.01;
   double momentum = 0.0;
   double weight_decay = 0.0;

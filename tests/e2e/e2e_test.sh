@@ -1,7 +1,8 @@
 #!/bin/bash
 # End to end: a real pippy-coordinator and 4 real pippy-worker processes on 127.0.0.1
 # (ports chosen by the OS); jobs submitted with pippyctl; trained models fetched and
-# checked with /usr/bin/python3 against a plain PyTorch training loop.
+# checked with /usr/bin/python3 against a plain PyTorch training loop. The coordinator
+# takes gRPC messages of at most 2 MiB here, so a 10 MB model must travel in chunks.
 set -u
 PIPPYCTL="$PWD/client/pippyctl"
 COORD="$PWD/coordinator/pippy-coordinator"
@@ -23,7 +24,7 @@ cleanup() {
 trap cleanup EXIT
 
 "$COORD" --bind 127.0.0.1 --port 0 --port-file "$TMP/port" --state-dir "$TMP/state" --heartbeat-timeout-s 3 \
-  > "$TMP/coordinator.log" 2>&1 &
+  --max-message-mib 2 > "$TMP/coordinator.log" 2>&1 &
 pids+=($!)
 for _ in $(seq 100); do [ -s "$TMP/port" ] && break; sleep 0.1; done
 ADDR="127.0.0.1:$(cat "$TMP/port")"
@@ -35,7 +36,7 @@ for i in 0 1 2 3; do
   worker_pid[w$i]=$!
 done
 idle_workers() { ctl workers --output json | /usr/bin/python3 -c \
-  "import json,sys; print(sum(1 for w in json.load(sys.stdin).get('workers', []) if w['state']=='idle'))"; }
+  "import json,sys; print(sum(1 for w in json.load(sys.stdin).get('workers', []) if w['state']=='IDLE'))"; }
 for _ in $(seq 100); do [ "$(idle_workers)" = 4 ] && break; sleep 0.1; done
 [ "$(idle_workers)" = 4 ] && ok "4 workers registered" || bad "4 workers registered"
 
@@ -44,10 +45,24 @@ import sys, torch
 zoo, tmp = sys.argv[1:3]
 torch.save({"inputs": torch.load(f"{zoo}/gpt.input.pt"), "targets": torch.load(f"{zoo}/gpt.target.pt")}, f"{tmp}/gpt.data.pt")
 torch.save({"inputs": torch.randn(8, 5), "targets": torch.randn(8, 5)}, f"{tmp}/wrong.data.pt")
+# A 10 MB model: bigger than the 1 MiB chunks and the coordinator's 2 MiB message limit.
+torch.manual_seed(0)
+wide = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(800, 800), torch.nn.ReLU())])
+torch.jit.script(wide).save(f"{tmp}/wide.pt")
+torch.save({"inputs": torch.randn(32, 800), "targets": torch.randn(32, 800)}, f"{tmp}/wide.data.pt")
 PY
 
 COMMON=(--data "$TMP/gpt.data.pt" --microbatches 8 --batch-size 8 --steps 5 --loss model --optimizer adamw
         --lr 0.001 --weight-decay 0.01)
+# Runs `submit ... --wait` (output to $TMP/NAME.out, errors to $TMP/NAME.err), then
+# prints the job id; fails unless the job SUCCEEDED. (Never `--wait | head -1`: head
+# would close the pipe and end pippyctl before the job does.)
+submit_wait() {  # NAME ARGS...
+  local name=$1
+  shift
+  ctl submit "$@" --wait > "$TMP/$name.out" 2> "$TMP/$name.err" || return 1
+  head -1 "$TMP/$name.out"
+}
 train_and_check() {  # NAME ARGS...
   local name=$1
   shift
@@ -68,9 +83,61 @@ train_and_check gpt_1f1b_4stages --stages 4 --schedule 1f1b
 train_and_check gpt_gpipe_4stages --stages 4 --schedule gpipe
 train_and_check gpt_interleaved_8stages_2perworker --stages 8 --schedule interleaved-1f1b --stages-per-worker 2
 
+# Each worker of a 3-stage job receives its stage file and its share of the data, not
+# the model: what it reports receiving is within 10% of that, and the parameters it
+# loaded are its stage's (the plan's param_bytes), never the whole model's.
+if job=$(submit_wait three "$ZOO/gpt.pt" "${COMMON[@]}" --stages 3 --schedule 1f1b) &&
+   ctl status "$job" --output json > "$TMP/three.json" && ctl workers --output json > "$TMP/three.workers.json" &&
+   /usr/bin/python3 - "$TMP/three.json" "$TMP/three.workers.json" "$ZOO/gpt.pt" "$TMP/gpt.data.pt" <<'PY'
+import json, os, sys
+job = json.load(open(sys.argv[1]))
+workers = {w["worker_id"]: w for w in json.load(open(sys.argv[2]))["workers"]}
+model_bytes, data_bytes = os.path.getsize(sys.argv[3]), os.path.getsize(sys.argv[4])
+stage_files = [int(b) for b in job["stage_file_bytes"]]
+params = [int(s.get("param_bytes", 0)) for s in job["plan"]["stages"]]
+total = 0
+for rank, wid in enumerate(job["workers"]):
+    w = workers[wid]
+    got, loaded = int(w.get("bytes_received", 0)), int(w.get("loaded_param_bytes", 0))
+    stages = [int(s) for s in w.get("stages", [])]
+    want_files = sum(stage_files[s] for s in stages)
+    print(f"rank {rank}: stages {stages}, received {got} bytes (stage files {want_files} + data share), "
+          f"loaded {loaded} parameter bytes (plan: {sum(params[s] for s in stages)}); model {model_bytes}")
+    assert stages == [rank], stages
+    assert want_files <= got <= 1.1 * (want_files + data_bytes), (got, want_files, data_bytes)
+    assert loaded == sum(params[s] for s in stages), (loaded, params)
+    assert loaded < 0.6 * sum(params)
+    total += got
+assert total < 1.3 * (model_bytes + data_bytes), (total, model_bytes)
+PY
+then ok "3-stage job: each worker received only its stage and data share"; else bad "3-stage job: bytes per worker"; cat "$TMP/three.err"; fi
+
+# AdamW without --weight-decay uses torch's default (0.01), as torch.optim.AdamW does.
+if ctl submit "$ZOO/gpt.pt" --data "$TMP/gpt.data.pt" --microbatches 4 --batch-size 8 --steps 3 --loss model \
+     --optimizer adamw --lr 0.001 --stages 2 --schedule 1f1b --wait > "$TMP/adamw.out" 2>&1 &&
+   ctl fetch "$(head -1 "$TMP/adamw.out")" -o "$TMP/adamw.pt" > /dev/null &&
+   /usr/bin/python3 "$CHECK" "$ZOO/gpt.pt" "$TMP/gpt.data.pt" "$TMP/adamw.pt" --steps 3 --batch-size 8 \
+     --microbatches 4 --loss model --optimizer adamw --lr 0.001 --tolerance 1e-4; then
+  ok "adamw defaults equal torch.optim.AdamW's"
+else
+  bad "adamw defaults"; cat "$TMP/adamw.out"
+fi
+
+# A model larger than a chunk and than the coordinator's message limit submits, trains
+# and fetches, and `fetch` writes exactly what the coordinator assembled.
+if job=$(submit_wait wide "$TMP/wide.pt" --data "$TMP/wide.data.pt" --stages 2 --schedule 1f1b --microbatches 4 \
+           --batch-size 16 --steps 2 --loss mse --optimizer sgd --lr 0.01) &&
+   ctl fetch "$job" -o "$TMP/wide.trained.pt" > /dev/null &&
+   /usr/bin/python3 "$CHECK" "$TMP/wide.pt" "$TMP/wide.data.pt" "$TMP/wide.trained.pt" --steps 2 --batch-size 16 \
+     --microbatches 4 --loss mse --optimizer sgd --lr 0.01 --tolerance 1e-5; then
+  ok "10 MB model through a 2 MiB message limit: $(stat -c %s "$TMP/wide.pt") bytes in, $(stat -c %s "$TMP/wide.trained.pt") out"
+else
+  bad "10 MB model"; cat "$TMP/wide.err"
+fi
+
 # Inference: the outputs equal the unsplit forward.
-if job=$(ctl submit "$ZOO/gpt.pt" --data "$TMP/gpt.data.pt" --stages 4 --schedule inference --microbatches 4 \
-           --batch-size 8 --steps 1 --wait 2>"$TMP/inference.err" | head -1) &&
+if job=$(submit_wait inference "$ZOO/gpt.pt" --data "$TMP/gpt.data.pt" --stages 4 --schedule inference \
+           --microbatches 4 --batch-size 8 --steps 1) &&
    ctl fetch "$job" -o "$TMP/outputs.pt" > /dev/null &&
    /usr/bin/python3 - "$ZOO/gpt.pt" "$TMP/gpt.data.pt" "$TMP/outputs.pt" <<'PY'
 import sys, torch
@@ -98,7 +165,7 @@ expect_refused() {  # NAME WANT_SUBSTRING ARGS...
 echo "not a model" > "$TMP/corrupt.pt"
 expect_refused "empty model" "model: empty" "$TMP/empty.pt" "${COMMON[@]}" --stages 2 --schedule 1f1b
 expect_refused "corrupt model" "model: 'model' is not a TorchScript archive" "$TMP/corrupt.pt" "${COMMON[@]}" --stages 2 --schedule 1f1b
-expect_refused "unknown schedule" "schedule.name: unknown schedule 'zigzag'" "$ZOO/gpt.pt" "${COMMON[@]}" --stages 2 --schedule zigzag
+expect_refused "unknown schedule" "schedule.kind: unknown schedule 'zigzag'" "$ZOO/gpt.pt" "${COMMON[@]}" --stages 2 --schedule zigzag
 expect_refused "too many stages" "split: cannot make 500 stages" "$ZOO/gpt.pt" "${COMMON[@]}" --stages 500 --schedule gpipe
 expect_refused "data that does not fit" "data" "$ZOO/gpt.pt" --data "$TMP/wrong.data.pt" --microbatches 2 --batch-size 8 \
   --steps 1 --loss model --optimizer sgd --lr 0.1 --stages 2 --schedule 1f1b

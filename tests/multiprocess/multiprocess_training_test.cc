@@ -1,7 +1,8 @@
-// Pipeline training across real processes: N pippy-rank processes (one rank each)
-// train over UCX (shared memory or TCP on 127.0.0.1) and must end with the parameters
-// of the unsplit model trained in this process — and a rank whose peer is killed
-// must fail with a message naming the peer, not hang.
+// Pipeline training across real processes: the model is split here (as `pippyctl
+// split --out` does), then N pippy-rank processes (one rank each) load only their own
+// stage files and train over UCX (shared memory or TCP on 127.0.0.1); they must end
+// with the parameters of the unsplit model trained in this process — and a rank whose
+// peer is killed must fail with a message naming the peer, not hang.
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
@@ -18,6 +19,8 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "pipeline/partition/model_io.h"
+#include "pipeline/partition/partition.h"
+#include "torch/csrc/jit/serialization/pickle.h"
 #include "pipeline/stage/testing/reference_training.h"
 #include "torch/csrc/jit/runtime/graph_executor.h"
 
@@ -95,22 +98,49 @@ struct Case {
   int ranks, stages_per_rank;
 };
 
+const std::string kZoo = "examples/models/zoo/";
+
 stage::OptimizerOptions Optim(const std::string& name) {
   stage::OptimizerOptions o;
-  o.name = name;
+  o.kind = name == "sgd" ? OPTIMIZER_SGD : OPTIMIZER_ADAMW;
   o.lr = name == "sgd" ? 0.05 : 1e-3;
   o.momentum = name == "sgd" ? 0.9 : 0.0;
   o.weight_decay = name == "sgd" ? 1e-4 : 0.01;
   return o;
 }
 
-std::vector<std::string> RankArgs(const Case& c, int r, const std::string& dir, int steps) {
-  const std::string zoo = "examples/models/zoo/";
+LossKind Loss(const std::string& name) {
+  return name == "mse" ? LOSS_MSE : name == "model" ? LOSS_MODEL : LOSS_CROSS_ENTROPY;
+}
+
+// Splits the zoo model into dir/stages (stage_N.pt + plan.json) and writes its example
+// batch as a data file; returns the batch size.
+int64_t PrepareFiles(const Case& c, const std::string& dir) {
+  auto model = *partition::LoadModel(kZoo + c.model + ".pt");
+  partition::SplitOptions so;
+  so.num_stages = c.ranks * c.stages_per_rank;
+  auto pipe = partition::SplitModel(model, so);
+  EXPECT_TRUE(pipe.ok()) << pipe.status();
+  EXPECT_TRUE(partition::WritePipe(*pipe, dir + "/stages").ok());
+  auto inputs = *partition::LoadExampleInputs(kZoo + c.model + ".input.pt", model);
+  auto target = *partition::LoadTorchSaved(kZoo + c.model + ".target.pt");
+  c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
+  d.insert("inputs", c10::ivalue::Tuple::create(inputs));
+  d.insert("targets", target);
+  std::vector<char> bytes = torch::jit::pickle_save(d);
+  std::ofstream(dir + "/data.pt", std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  for (const auto& in : inputs) {
+    if (in.isTensor()) return in.toTensor().size(0);
+  }
+  return 0;
+}
+
+std::vector<std::string> RankArgs(const Case& c, int r, const std::string& dir, int steps, int64_t batch) {
   stage::OptimizerOptions o = Optim(c.optimizer);
   return {"worker/pippy-rank", "--rank", std::to_string(r), "--world", std::to_string(c.ranks),
-          "--rendezvous", dir + "/rendezvous", "--model", zoo + c.model + ".pt", "--schedule", c.schedule,
+          "--rendezvous", dir + "/rendezvous", "--stages-dir", dir + "/stages", "--schedule", c.schedule,
           "--stages-per-rank", std::to_string(c.stages_per_rank), "--microbatches", "4", "--steps",
-          std::to_string(steps), "--input", zoo + c.model + ".input.pt", "--target", zoo + c.model + ".target.pt",
+          std::to_string(steps), "--batch-size", std::to_string(batch), "--data", dir + "/data.pt",
           "--loss", c.loss, "--optimizer", c.optimizer, "--lr", absl::StrCat(o.lr), "--momentum",
           absl::StrCat(o.momentum), "--weight-decay", absl::StrCat(o.weight_decay), "--tls", c.tls,
           "--timeout-s", "60", "--out", dir + "/out"};
@@ -121,22 +151,24 @@ class MultiProcessTraining : public ::testing::TestWithParam<Case> {};
 TEST_P(MultiProcessTraining, RanksAsProcessesOverUcx_MatchUnsplitTraining) {
   const Case& c = GetParam();
   const std::string dir = TmpDir(c.name);
+  torch::jit::setGraphExecutorOptimize(false);
+  const int64_t batch = PrepareFiles(c, dir);
   Ranks ranks;
-  for (int r = 0; r < c.ranks; ++r) ranks.Start(RankArgs(c, r, dir, 3), absl::StrCat(dir, "/rank", r, ".log"));
+  for (int r = 0; r < c.ranks; ++r) {
+    ranks.Start(RankArgs(c, r, dir, 3, batch), absl::StrCat(dir, "/rank", r, ".log"));
+  }
   for (int r = 0; r < c.ranks; ++r) {
     int code = ranks.Wait(r, std::chrono::seconds(180));
     ASSERT_EQ(code, 0) << "rank " << r << ":\n" << Slurp(absl::StrCat(dir, "/rank", r, ".log"));
   }
-  torch::jit::setGraphExecutorOptimize(false);
   std::vector<torch::jit::Module> stages;
   for (int s = 0; s < c.ranks * c.stages_per_rank; ++s) {
     stages.push_back(torch::jit::load(absl::StrCat(dir, "/out/stage_", s, ".pt")));
   }
-  const std::string zoo = "examples/models/zoo/";
-  auto ref = *partition::LoadModel(zoo + c.model + ".pt");
-  auto inputs = *partition::LoadExampleInputs(zoo + c.model + ".input.pt", ref);
-  auto target = *partition::LoadTorchSaved(zoo + c.model + ".target.pt");
-  stage::testing::TrainUnsplit(ref, c.loss, Optim(c.optimizer), 0, inputs, target, 4, 3);
+  auto ref = *partition::LoadModel(kZoo + c.model + ".pt");
+  auto inputs = *partition::LoadExampleInputs(kZoo + c.model + ".input.pt", ref);
+  auto target = *partition::LoadTorchSaved(kZoo + c.model + ".target.pt");
+  stage::testing::TrainUnsplit(ref, Loss(c.loss), Optim(c.optimizer), 0, inputs, target, 4, 3);
   int compared = 0;
   double worst = stage::testing::MaxRelativeDifference(stages, ref, &compared);
   EXPECT_GT(compared, 0);
@@ -156,8 +188,12 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(MultiProcessFailure, PeerKilled_SurvivorExitsNamingIt) {
   Case c{"killed", "gpt", "1f1b", "model", "sgd", "sm,self", 2, 1};
   const std::string dir = TmpDir("killed");
+  torch::jit::setGraphExecutorOptimize(false);
+  const int64_t batch = PrepareFiles(c, dir);
   Ranks ranks;
-  for (int r = 0; r < 2; ++r) ranks.Start(RankArgs(c, r, dir, 100000), absl::StrCat(dir, "/rank", r, ".log"));
+  for (int r = 0; r < 2; ++r) {
+    ranks.Start(RankArgs(c, r, dir, 100000, batch), absl::StrCat(dir, "/rank", r, ".log"));
+  }
   // Let training get going, then kill rank 1.
   for (int i = 0; i < 600 && Slurp(dir + "/rank0.log").find("step=2") == std::string::npos; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));

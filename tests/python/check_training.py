@@ -38,7 +38,8 @@ def main():
     ap.add_argument("--optimizer", required=True)
     ap.add_argument("--lr", type=float, required=True)
     ap.add_argument("--momentum", type=float, default=0.0)
-    ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--weight-decay", type=float, default=None,
+                    help="default: torch.optim's (0.01 for AdamW, 0 otherwise), as pippy's")
     ap.add_argument("--tolerance", type=float, default=1e-4)
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -52,12 +53,13 @@ def main():
         inputs = [inputs]
     n = next(t.shape[0] for t in inputs if isinstance(t, torch.Tensor))
     params = list(model.parameters())  # tied weights appear once
+    wd = {} if a.weight_decay is None else {"weight_decay": a.weight_decay}
     if a.optimizer == "sgd":
-        opt = torch.optim.SGD(params, lr=a.lr, momentum=a.momentum, weight_decay=a.weight_decay)
+        opt = torch.optim.SGD(params, lr=a.lr, momentum=a.momentum, **wd)
     elif a.optimizer == "adam":
-        opt = torch.optim.Adam(params, lr=a.lr, weight_decay=a.weight_decay)
+        opt = torch.optim.Adam(params, lr=a.lr, **wd)
     else:
-        opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=a.weight_decay)
+        opt = torch.optim.AdamW(params, lr=a.lr, **wd)
 
     def loss_fn(out, tgt):
         if a.loss == "mse":

@@ -16,11 +16,10 @@ double RelDiff(const at::Tensor& a, const at::Tensor& b) {
   return num / std::max(db.abs().max().item<double>(), 1e-30);
 }
 
-std::vector<double> TrainUnsplit(torch::jit::Module& model, const std::string& loss,
+std::vector<double> TrainUnsplit(torch::jit::Module& model, LossKind kind,
                                  const OptimizerOptions& optimizer, double clip_grad_norm,
                                  const std::vector<c10::IValue>& inputs, const c10::IValue& target,
                                  int microbatches, int steps) {
-  LossKind kind = *ParseLoss(loss);
   std::vector<at::Tensor> params;
   std::set<const c10::TensorImpl*> seen;
   for (const auto& p : model.named_parameters(true)) {

@@ -18,7 +18,7 @@ double RelDiff(const at::Tensor& a, const at::Tensor& b);
 // `microbatches` > 1, gradients accumulate over that many equal micro-batches (loss
 // scaled by 1/microbatches), as a pipeline computes; 1 is one full-batch pass.
 // Tied weights are one parameter. Returns the mean loss of each step.
-std::vector<double> TrainUnsplit(torch::jit::Module& model, const std::string& loss,
+std::vector<double> TrainUnsplit(torch::jit::Module& model, LossKind loss,
                                  const OptimizerOptions& optimizer, double clip_grad_norm,
                                  const std::vector<c10::IValue>& inputs, const c10::IValue& target,
                                  int microbatches, int steps);

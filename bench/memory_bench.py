@@ -1,0 +1,190 @@
+#!/usr/bin/python3
+"""Peak memory (VmHWM) of every pippy process for one large-model job, beside the
+model's and the stages' sizes and the budgets they are held to.
+
+Starts a real pippy-coordinator and W real pippy-worker processes on 127.0.0.1, makes a
+model of L x Linear(H, H) + ReLU with /usr/bin/python3, submits it with pippyctl
+(--stages W, 1F1B), waits for it, fetches the trained model, and reads each daemon's
+/proc/PID/status VmHWM before stopping it; pippyctl's peaks are its children's
+ru_maxrss. Also times submit, placement (PLACING -> RUNNING) and fetch.
+
+Budgets (issue "Each worker holds only its stages"):
+  worker       <= (k + 0.2) x its stages' parameter bytes + 400 MB   (k = 3 SGD, 4 Adam/AdamW)
+  coordinator  <= 1.5 x model bytes + 300 MB
+  pippyctl     <= 150 MB, any model size
+
+usage: memory_bench.py --bin BAZEL_BIN [--layers 16] [--hidden 4096] [--workers 4]
+                       [--optimizer adamw] [--steps 2] [--batch 32] [--microbatches 4]
+"""
+import argparse
+import json
+import os
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+MB = 1 << 20
+
+
+def vm_hwm(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def run_measured(cmd, env):
+    """Runs cmd in a fresh child of a fresh Python (so ru_maxrss is this command's)."""
+    probe = ("import resource,subprocess,sys,json,time;t=time.perf_counter();"
+             "r=subprocess.run(sys.argv[1:],capture_output=True,text=True);"
+             "print(json.dumps({'rc':r.returncode,'out':r.stdout,'err':r.stderr,"
+             "'seconds':time.perf_counter()-t,"
+             "'maxrss':resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss*1024}))")
+    r = subprocess.run([sys.executable, "-c", probe] + cmd, capture_output=True, text=True, env=env)
+    return json.loads(r.stdout)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", required=True, help="bazel-bin of a build of //client:pippyctl //coordinator:all //worker:all")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--optimizer", default="adamw")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--tmp", default=None, help="work folder (default: a new one under /tmp)")
+    a = ap.parse_args()
+
+    tmp = a.tmp or tempfile.mkdtemp(prefix="pippy-membench-")
+    os.makedirs(tmp, exist_ok=True)
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    model = f"{tmp}/model.pt"
+    t0 = time.perf_counter()
+    subprocess.run(["/usr/bin/python3", "-c", f"""
+import torch
+torch.manual_seed(0)
+layers = []
+for _ in range({a.layers}):
+    layers += [torch.nn.Linear({a.hidden}, {a.hidden}), torch.nn.ReLU()]
+torch.jit.script(torch.nn.Sequential(*layers)).save("{model}")
+"""], check=True, env=env)
+    model_bytes = os.path.getsize(model)
+    param_bytes = a.layers * (a.hidden * a.hidden + a.hidden) * 4
+    print(f"model: {a.layers} x Linear({a.hidden}, {a.hidden}) + ReLU = {param_bytes / MB:.0f} MiB of parameters, "
+          f"file {model_bytes / MB:.0f} MiB (made in {time.perf_counter() - t0:.1f} s); "
+          f"{a.workers} stages on {a.workers} workers, 1f1b, {a.optimizer}, batch {a.batch}, m={a.microbatches}, "
+          f"{a.steps} steps", flush=True)
+
+    port = free_port()
+    coord_cmd = [f"{a.bin}/coordinator/pippy-coordinator", "--bind", "127.0.0.1", "--port", str(port),
+                 "--state-dir", f"{tmp}/state", "--heartbeat-timeout-s", "60"]
+    procs = {}
+    logs = []
+    try:
+        log = open(f"{tmp}/coordinator.log", "w")
+        logs.append(log)
+        procs["coordinator"] = subprocess.Popen(coord_cmd, stdout=log, stderr=log, env=env)
+        where = f"127.0.0.1:{port}"
+        for i in range(a.workers):
+            log = open(f"{tmp}/worker{i}.log", "w")
+            logs.append(log)
+            procs[f"worker {i}"] = subprocess.Popen(
+                [f"{a.bin}/worker/pippy-worker", "--coordinator", where, "--name", f"w{i}", "--threads", "1",
+                 "--ucx-tls", "sm,self", "--wait-timeout-s", "600"], stdout=log, stderr=log, env=env)
+        ctl = [f"{a.bin}/client/pippyctl", "--coordinator", where]
+        for _ in range(200):
+            r = subprocess.run(ctl + ["workers", "--output", "json"], capture_output=True, text=True)
+            if r.returncode == 0 and sum(1 for w in json.loads(r.stdout or "{}").get("workers", [])
+                                         if w["state"] == "IDLE") == a.workers:
+                break
+            time.sleep(0.1)
+
+        spec = f"inputs=float32[{a.batch * 4},{a.hidden}];targets=float32[{a.batch * 4},{a.hidden}];seed=0"
+        submit = run_measured(ctl + ["submit", model, "--synthetic", spec, "--stages", str(a.workers), "--schedule",
+                                     "1f1b", "--microbatches", str(a.microbatches), "--batch-size", str(a.batch),
+                                     "--steps", str(a.steps), "--loss", "mse", "--optimizer", a.optimizer,
+                                     "--lr", "1e-4"], env)
+        if submit["rc"] != 0:
+            print("submit failed:", submit["err"])
+            return 1
+        job = submit["out"].strip()
+        t_submitted = time.perf_counter()
+        seen = {}
+        state = None
+        while True:
+            r = subprocess.run(ctl + ["status", job, "--output", "json"], capture_output=True, text=True)
+            j = json.loads(r.stdout)
+            state = j["state"]
+            seen.setdefault(state, time.perf_counter() - t_submitted)
+            if state in ("SUCCEEDED", "FAILED", "CANCELLED"):
+                break
+            time.sleep(0.1)
+        if state != "SUCCEEDED":
+            print(f"job {job} {state}: {j.get('reason', '')}")
+            return 1
+        fetch = run_measured(ctl + ["fetch", job, "-o", f"{tmp}/trained.pt"], env)
+        if fetch["rc"] != 0:
+            print("fetch failed:", fetch["err"])
+            return 1
+        stage_params = [int(s.get("param_bytes", 0)) for s in j["plan"]["stages"]]
+        stage_files = [int(b) for b in j.get("stage_file_bytes", [])]
+        workers = json.loads(subprocess.run(ctl + ["workers", "--output", "json"], capture_output=True,
+                                            text=True).stdout)["workers"]
+        stages_of = {w["name"]: [int(s) for s in w.get("stages", [])] for w in workers}
+        peaks = {name: vm_hwm(p.pid) for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+
+    k = 3 if a.optimizer == "sgd" else 4
+    rows = []
+    rows.append(("coordinator", peaks["coordinator"], 1.5 * model_bytes + 300 * MB, f"model {model_bytes / MB:.0f} MiB"))
+    for i in range(a.workers):
+        own = sum(stage_params[s] for s in stages_of.get(f"w{i}", []))
+        rows.append((f"worker {i} (stages {','.join(map(str, stages_of.get(f'w{i}', [])))})", peaks[f"worker {i}"],
+                     (k + 0.2) * own + 400 * MB, f"stage params {own / MB:.0f} MiB"))
+    rows.append(("pippyctl submit", submit["maxrss"], 150 * MB, f"streams {model_bytes / MB:.0f} MiB"))
+    rows.append(("pippyctl fetch", fetch["maxrss"], 150 * MB, f"writes {os.path.getsize(tmp + '/trained.pt') / MB:.0f} MiB"))
+    print(f"\n{'process':34s} {'peak RSS':>10s} {'budget':>10s} {'ratio':>7s}  {'':4s} sizes")
+    worst = 0
+    for name, peak, budget, sizes in rows:
+        ratio = peak / budget
+        worst = max(worst, ratio)
+        print(f"{name:34s} {peak / MB:8.0f} MiB {budget / MB:8.0f} MiB {ratio:7.2f}  {'ok' if ratio <= 1 else 'OVER':4s} {sizes}")
+    print(f"\nstage files: {', '.join(f'{b / MB:.0f} MiB' for b in stage_files)}")
+    print(f"times: submit {submit['seconds']:.1f} s (target < 5 s); "
+          f"placement -> RUNNING {seen.get('RUNNING', float('nan')) - seen.get('PLACING', 0):.1f} s after PLACING "
+          f"(target < 10 s); fetch {fetch['seconds']:.1f} s")
+    print(f"state first seen (s after submit returned): " +
+          ", ".join(f"{s} {t:.1f}" for s, t in sorted(seen.items(), key=lambda x: x[1])))
+    if not a.tmp:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+// pippyctl's commands. Each Add*Command registers one subcommand (its flags, typed and
+// range-checked by CLI11, with --help derived from them) on the root app; when that
+// subcommand is the one given, its callback runs the command and stores the process
+// exit code (common/cli.h) in *exit_code.
+#ifndef PIPPY_CLIENT_COMMANDS_H_
+#define PIPPY_CLIENT_COMMANDS_H_
+
+#include <string>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+
+namespace pippy::cli {
+
+constexpr char kProgram[] = "pippyctl";
+
+// Flags every command accepts, before or after the command's name.
+struct GlobalFlags {
+  std::string coordinator = "localhost:7070";  // --coordinator, else $PIPPY_COORDINATOR
+  std::string output = "table";                // --output table|json
+};
+
+// Offline (no coordinator): `split`, `schedule`.
+//
+// `split` needs LibTorch; it is its own program, pippyctl-split, which pippyctl runs
+// in its place (RunSplitProgram), so that pippyctl never loads LibTorch and stays
+// small. AddSplitCommand lists it in pippyctl's --help; AddSplitOptions defines its
+// flags in pippyctl-split.
+inline constexpr char kSplitProgram[] = "pippyctl-split";
+inline constexpr char kSplitDescription[] =
+    "Split a TorchScript model (torch.jit.script(model).save(\"MODEL.pt\")) into pipeline stages, like "
+    "torch.distributed.pipelining.pipeline(), and print the plan. Where to cut, first that applies: --split-at; "
+    "PipeSplit marker modules (any submodule whose class is named PipeSplit); --stages K (automatic, only at legal "
+    "places where only tensors cross, preferring module boundaries).";
+void AddSplitCommand(CLI::App& root);
+void AddSplitOptions(CLI::App* split, const GlobalFlags& globals, int* exit_code);
+// Replaces this process with pippyctl-split, passing `args` (what followed `split`)
+// and the global --output. Returns only if that fails (the exit code).
+int RunSplitProgram(const std::vector<std::string>& args, const GlobalFlags& globals);
+void AddScheduleCommand(CLI::App& root, const GlobalFlags& globals, int* exit_code);
+// Against a coordinator: `submit`, `list`, `status`, `watch`, `cancel`, `fetch`, `workers`.
+void AddRemoteCommands(CLI::App& root, const GlobalFlags& globals, int* exit_code);
+// `local`: a coordinator and N workers on this machine, in the foreground.
+void AddLocalCommand(CLI::App& root, const GlobalFlags& globals, int* exit_code);
+
+}  // namespace pippy::cli
+
+#endif  // PIPPY_CLIENT_COMMANDS_H_

@@ -1,0 +1,172 @@
+#include "coordinator/artifact_store.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+
+namespace pippy::coordinator {
+namespace fs = std::filesystem;
+
+Upload::~Upload() {
+  model_.close();
+  data_.close();
+  if (!accepted_) {
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+}
+
+absl::Status Upload::Append(std::ofstream& out, const std::string& path, absl::string_view chunk, int64_t* total) {
+  if (!out.is_open()) {
+    out.open(path, std::ios::binary | std::ios::trunc);
+    if (!out) return absl::UnavailableError(absl::StrCat("cannot write '", path, "' (is the state directory writable?)"));
+  }
+  out.write(chunk.data(), static_cast<std::streamsize>(chunk.size()));
+  if (!out) return absl::UnavailableError(absl::StrCat("writing '", path, "' failed (disk full?)"));
+  *total += static_cast<int64_t>(chunk.size());
+  return absl::OkStatus();
+}
+
+absl::Status Upload::AppendModel(absl::string_view chunk) { return Append(model_, model_path(), chunk, &model_bytes_); }
+absl::Status Upload::AppendData(absl::string_view chunk) { return Append(data_, data_path(), chunk, &data_bytes_); }
+
+absl::Status Upload::Close() {
+  for (auto* f : {&model_, &data_}) {
+    if (!f->is_open()) continue;
+    f->flush();
+    const bool ok = static_cast<bool>(*f);
+    f->close();
+    if (!ok) return absl::UnavailableError(absl::StrCat("writing the upload in '", dir_, "' failed (disk full?)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<ArtifactStore>> ArtifactStore::Open(const std::string& state_dir) {
+  std::error_code ec;
+  fs::remove_all(state_dir + "/uploads", ec);  // submissions cut off by a restart
+  for (const char* sub : {"/uploads", "/jobs", "/models"}) {
+    fs::create_directories(state_dir + sub, ec);
+    if (ec) {
+      return absl::UnavailableError(absl::StrCat("cannot create '", state_dir, sub, "': ", ec.message(),
+                                                 "; give a writable --state-dir"));
+    }
+  }
+  return std::unique_ptr<ArtifactStore>(new ArtifactStore(state_dir));
+}
+
+absl::StatusOr<std::unique_ptr<Upload>> ArtifactStore::NewUpload() {
+  int64_t n;
+  {
+    absl::MutexLock lock(&mu_);
+    n = next_upload_++;
+  }
+  const std::string dir = absl::StrCat(state_dir_, "/uploads/", getpid(), "-", n);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return absl::UnavailableError(absl::StrCat("cannot create '", dir, "': ", ec.message()));
+  return std::unique_ptr<Upload>(new Upload(dir));
+}
+
+absl::Status ArtifactStore::Accept(Upload& upload, const std::string& job_id) {
+  absl::Status closed = upload.Close();
+  if (!closed.ok()) return closed;
+  std::error_code ec;
+  fs::remove_all(JobDir(job_id), ec);  // leftovers of an earlier coordinator's job of that id
+  fs::rename(upload.dir(), JobDir(job_id), ec);
+  if (ec) return absl::UnavailableError(absl::StrCat("cannot move '", upload.dir(), "' to '", JobDir(job_id), "': ", ec.message()));
+  upload.accepted_ = true;
+  upload.dir_ = JobDir(job_id);
+  return absl::OkStatus();
+}
+
+std::string ArtifactStore::StageFileName(int stage) { return absl::StrCat("stage_", stage, ".pt"); }
+std::string ArtifactStore::ShareFileName(int rank) { return absl::StrCat("share_", rank, ".pt"); }
+
+std::string ArtifactStore::ResultPath(const std::string& job_id, int stage) const {
+  return stage < 0 ? OutputsPath(job_id) : absl::StrCat(JobDir(job_id), "/result_", stage, ".pt");
+}
+
+absl::Status ArtifactStore::AppendResult(const std::string& job_id, int stage, absl::string_view chunk, bool last) {
+  absl::MutexLock lock(&mu_);
+  auto key = std::make_pair(job_id, stage);
+  auto it = open_.find(key);
+  if (it == open_.end()) {
+    if (!fs::exists(JobDir(job_id))) return absl::OkStatus();  // the job ended meanwhile
+    OpenResult r;
+    r.path = ResultPath(job_id, stage);
+    r.out.open(r.path, std::ios::binary | std::ios::trunc);
+    if (!r.out) return absl::UnavailableError(absl::StrCat("cannot write '", r.path, "'"));
+    it = open_.emplace(key, std::move(r)).first;
+    complete_[job_id][stage] = false;
+  }
+  it->second.out.write(chunk.data(), static_cast<std::streamsize>(chunk.size()));
+  bool ok = static_cast<bool>(it->second.out);
+  if (last || !ok) {
+    it->second.out.close();
+    ok = ok && !it->second.out.fail();
+    const std::string path = it->second.path;
+    open_.erase(it);
+    if (!ok) return absl::UnavailableError(absl::StrCat("writing '", path, "' failed (disk full?)"));
+    complete_[job_id][stage] = true;
+  }
+  return absl::OkStatus();
+}
+
+bool ArtifactStore::ResultsComplete(const std::string& job_id, int stages) {
+  absl::MutexLock lock(&mu_);
+  auto it = complete_.find(job_id);
+  if (it == complete_.end()) return false;
+  if (stages < 0) return it->second.count(-1) && it->second.at(-1);
+  for (int s = 0; s < stages; ++s) {
+    auto st = it->second.find(s);
+    if (st == it->second.end() || !st->second) return false;
+  }
+  return true;
+}
+
+absl::Status ArtifactStore::Publish(const std::string& job_id, const std::string& path) {
+  std::error_code ec;
+  fs::rename(path, FetchPath(job_id), ec);
+  if (ec) return absl::UnavailableError(absl::StrCat("cannot move '", path, "' to '", FetchPath(job_id), "': ", ec.message()));
+  return absl::OkStatus();
+}
+
+void ArtifactStore::RemoveJobFiles(const std::string& job_id) {
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = open_.begin(); it != open_.end();) {
+      it = it->first.first == job_id ? open_.erase(it) : std::next(it);
+    }
+    complete_.erase(job_id);
+  }
+  std::error_code ec;
+  fs::remove_all(JobDir(job_id), ec);
+  if (ec) log::Warn("job={} could not remove '{}': {}", job_id, JobDir(job_id), ec.message());
+}
+
+absl::Status ArtifactStore::StreamFile(const std::string& path, size_t chunk_bytes,
+                                       const std::function<bool(absl::string_view)>& sink) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open '", path, "'"));
+  std::vector<char> buf(chunk_bytes);
+  while (in) {
+    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+    const std::streamsize n = in.gcount();
+    if (n <= 0) break;
+    if (!sink(absl::string_view(buf.data(), static_cast<size_t>(n)))) return absl::CancelledError("stopped");
+  }
+  if (in.bad()) return absl::UnavailableError(absl::StrCat("reading '", path, "' failed"));
+  return absl::OkStatus();
+}
+
+int64_t ArtifactStore::FileSize(const std::string& path) {
+  std::error_code ec;
+  auto n = fs::file_size(path, ec);
+  return ec ? -1 : static_cast<int64_t>(n);
+}
+
+}  // namespace pippy::coordinator

@@ -1,0 +1,122 @@
+// The coordinator's files under its state directory: what a job is made of on disk,
+// so that no model is held in memory longer than one step of work needs it.
+//
+//   uploads/<n>/            a submission while it arrives (model.pt, data.pt); removed
+//                           unless the job is accepted, then renamed to jobs/<job>/
+//   jobs/<job>/model.pt     the submitted model (read again to assemble the result)
+//   jobs/<job>/stage_<s>.pt each stage's TorchScript, as shipped to its worker
+//   jobs/<job>/share_<r>.pt rank r's share of the data (see DataSource::ShareBytes)
+//   jobs/<job>/result_<s>.pt  a trained stage as its worker sends it back
+//   jobs/<job>/outputs.pt   an inference job's outputs as the last rank sends them
+//   models/<job>.pt         what FetchModel serves: the trained model or the outputs
+//
+// Thread safety: every method may be called from any thread. Appending results uses
+// an internal mutex that guards the open result files only.
+#ifndef PIPPY_COORDINATOR_ARTIFACT_STORE_H_
+#define PIPPY_COORDINATOR_ARTIFACT_STORE_H_
+
+#include <cstdint>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include "absl/strings/string_view.h"
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+
+namespace pippy::coordinator {
+
+// A submission's model and data files while their chunks arrive. Destroying an
+// Upload that was not accepted removes its folder.
+class Upload {
+ public:
+  ~Upload();
+  Upload(const Upload&) = delete;
+  Upload& operator=(const Upload&) = delete;
+
+  // Errors: UNAVAILABLE when the disk write fails (the message names the file).
+  absl::Status AppendModel(absl::string_view chunk);
+  absl::Status AppendData(absl::string_view chunk);
+  // Flushes and closes both files. Errors: UNAVAILABLE.
+  absl::Status Close();
+
+  const std::string& dir() const { return dir_; }
+  std::string model_path() const { return dir_ + "/model.pt"; }
+  std::string data_path() const { return dir_ + "/data.pt"; }  // exists only if data came
+  int64_t model_bytes() const { return model_bytes_; }
+  int64_t data_bytes() const { return data_bytes_; }
+
+ private:
+  friend class ArtifactStore;
+  explicit Upload(std::string dir) : dir_(std::move(dir)) {}
+  absl::Status Append(std::ofstream& out, const std::string& path, absl::string_view chunk, int64_t* total);
+
+  std::string dir_;
+  bool accepted_ = false;
+  std::ofstream model_, data_;
+  int64_t model_bytes_ = 0, data_bytes_ = 0;
+};
+
+class ArtifactStore {
+ public:
+  // Creates `state_dir`/{uploads,jobs,models}; clears leftovers of uploads that were
+  // interrupted. Errors: UNAVAILABLE naming the folder.
+  static absl::StatusOr<std::unique_ptr<ArtifactStore>> Open(const std::string& state_dir);
+
+  // A new, empty upload folder. Errors: UNAVAILABLE.
+  absl::StatusOr<std::unique_ptr<Upload>> NewUpload();
+  // Moves an accepted upload (and what was prepared in it) to jobs/<job_id>/.
+  absl::Status Accept(Upload& upload, const std::string& job_id);
+
+  std::string JobDir(const std::string& job_id) const { return state_dir_ + "/jobs/" + job_id; }
+  std::string ModelPath(const std::string& job_id) const { return JobDir(job_id) + "/model.pt"; }
+  static std::string StageFileName(int stage);
+  static std::string ShareFileName(int rank);
+  std::string StagePath(const std::string& job_id, int stage) const { return JobDir(job_id) + "/" + StageFileName(stage); }
+  std::string SharePath(const std::string& job_id, int rank) const { return JobDir(job_id) + "/" + ShareFileName(rank); }
+  std::string ResultPath(const std::string& job_id, int stage) const;
+  std::string OutputsPath(const std::string& job_id) const { return JobDir(job_id) + "/outputs.pt"; }
+  // What FetchModel serves.
+  std::string FetchPath(const std::string& job_id) const { return state_dir_ + "/models/" + job_id + ".pt"; }
+
+  // Appends a chunk a worker sent back: a trained stage (stage >= 0) or inference
+  // outputs (stage < 0); `last` closes the file. A job folder that is gone (the job
+  // ended) swallows the chunk. Errors: UNAVAILABLE when the write fails.
+  absl::Status AppendResult(const std::string& job_id, int stage, absl::string_view chunk, bool last);
+  // Whether every stage in [0, stages) (or the outputs, for stages < 0) came back whole.
+  bool ResultsComplete(const std::string& job_id, int stages);
+
+  // Makes `path` (a finished file) what FetchModel serves for the job.
+  absl::Status Publish(const std::string& job_id, const std::string& path);
+
+  // Removes the job's folder (its inputs and results); what FetchModel serves stays.
+  void RemoveJobFiles(const std::string& job_id);
+
+  // Reads `path` in chunks of at most `chunk_bytes` and hands each to `sink` until it
+  // returns false (then returns CANCELLED). Errors: NOT_FOUND naming the file.
+  static absl::Status StreamFile(const std::string& path, size_t chunk_bytes,
+                                 const std::function<bool(absl::string_view)>& sink);
+  // Size of a file, or -1.
+  static int64_t FileSize(const std::string& path);
+
+ private:
+  explicit ArtifactStore(std::string state_dir) : state_dir_(std::move(state_dir)) {}
+
+  const std::string state_dir_;
+  absl::Mutex mu_;
+  int64_t next_upload_ ABSL_GUARDED_BY(mu_) = 0;
+  struct OpenResult {
+    std::ofstream out;
+    std::string path;
+  };
+  // (job, stage) -> the result file being written.
+  std::map<std::pair<std::string, int>, OpenResult> open_ ABSL_GUARDED_BY(mu_);
+  // (job, stage) of results that arrived whole.
+  std::map<std::string, std::map<int, bool>> complete_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace pippy::coordinator
+
+#endif  // PIPPY_COORDINATOR_ARTIFACT_STORE_H_

@@ -1,0 +1,428 @@
+// The coordinator's logic with fake worker channels (no gRPC, no worker processes):
+// what each worker is sent, how jobs move through their states, how results come
+// back and are assembled, and what is refused.
+#include "coordinator/coordinator.h"
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "pipeline/partition/model_io.h"
+#include "torch/csrc/jit/runtime/graph_executor.h"
+#include "torch/csrc/jit/serialization/pickle.h"
+
+namespace pippy::coordinator {
+namespace {
+
+using ::testing::HasSubstr;
+
+const std::string kZoo = "examples/models/zoo/";
+
+std::string Slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::string TmpDir(const std::string& name) {
+  std::string dir = absl::StrCat(getenv("TEST_TMPDIR") ? getenv("TEST_TMPDIR") : "/tmp", "/coord_", name);
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+// A worker's stream as the logic sees it: records what it is sent.
+class FakeWorker : public WorkerChannel {
+ public:
+  bool Send(const CoordinatorMessage& m) override {
+    absl::MutexLock lock(&mu_);
+    if (closed_) return false;
+    messages_.push_back(m);
+    return true;
+  }
+  void Close() {
+    absl::MutexLock lock(&mu_);
+    closed_ = true;
+  }
+  // Waits (at most 30 s) until `done(messages)` holds; returns the messages.
+  std::vector<CoordinatorMessage> WaitFor(const std::function<bool(const std::vector<CoordinatorMessage>&)>& done) {
+    absl::MutexLock lock(&mu_);
+    auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return done(messages_); };
+    mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Seconds(30));
+    return messages_;
+  }
+  std::vector<CoordinatorMessage> messages() {
+    absl::MutexLock lock(&mu_);
+    return messages_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<CoordinatorMessage> messages_ ABSL_GUARDED_BY(mu_);
+};
+
+// What one worker received for its assignment.
+struct Received {
+  Assignment assignment;
+  std::map<int, std::string> stages;
+  std::string data;
+  int stage_chunks = 0;
+  bool complete = false;
+};
+
+Received Collect(const std::vector<CoordinatorMessage>& messages) {
+  Received r;
+  std::map<int, bool> done;
+  bool data_done = false;
+  for (const auto& m : messages) {
+    if (m.has_assignment()) r.assignment = m.assignment();
+    if (m.has_stage()) {
+      r.stages[m.stage().stage()] += m.stage().chunk();
+      ++r.stage_chunks;
+      if (m.stage().last_chunk()) done[m.stage().stage()] = true;
+    }
+    if (m.has_data()) {
+      r.data += m.data().chunk();
+      if (m.data().last_chunk()) data_done = true;
+    }
+  }
+  r.complete = r.assignment.stages_size() > 0 && data_done &&
+               static_cast<int>(done.size()) == r.assignment.stages_size();
+  return r;
+}
+
+bool AssignmentArrived(const std::vector<CoordinatorMessage>& m) { return Collect(m).complete; }
+
+JobSpec MlpSpec(int stages) {
+  JobSpec spec;
+  spec.set_name("mlp");
+  spec.mutable_split()->set_stages(stages);
+  spec.mutable_schedule()->set_kind(SCHEDULE_1F1B);
+  spec.mutable_schedule()->set_microbatches(4);
+  spec.set_loss(LOSS_MSE);
+  spec.mutable_optimizer()->set_kind(OPTIMIZER_SGD);
+  spec.mutable_optimizer()->set_lr(0.01);
+  spec.set_steps(2);
+  spec.set_batch_size(8);
+  return spec;
+}
+
+class CoordinatorTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { torch::jit::setGraphExecutorOptimize(false); }
+
+  void Start(const std::string& name, size_t chunk_bytes = 1 << 20) {
+    state_ = TmpDir(name);
+    Coordinator::Options o;
+    o.state_dir = state_;
+    o.chunk_bytes = chunk_bytes;
+    o.heartbeat_timeout = absl::Seconds(60);
+    auto c = Coordinator::Create(o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    coordinator_ = std::move(*c);
+  }
+
+  std::vector<std::shared_ptr<FakeWorker>> AddWorkers(int n) {
+    std::vector<std::shared_ptr<FakeWorker>> out;
+    for (int i = 0; i < n; ++i) {
+      auto w = std::make_shared<FakeWorker>();
+      RegisterWorker reg;
+      reg.set_name(absl::StrCat("w", i));
+      ids_.push_back(coordinator_->AddWorker(reg, w));
+      out.push_back(w);
+    }
+    return out;
+  }
+
+  absl::StatusOr<std::string> Submit(const JobSpec& spec, const std::string& model_bytes, const std::string& data_bytes) {
+    auto upload = coordinator_->NewUpload();
+    if (!upload.ok()) return upload.status();
+    for (size_t off = 0; off < model_bytes.size(); off += 1000) {
+      absl::Status s = (*upload)->AppendModel(absl::string_view(model_bytes).substr(off, 1000));
+      if (!s.ok()) return s;
+    }
+    if (!data_bytes.empty()) {
+      absl::Status s = (*upload)->AppendData(data_bytes);
+      if (!s.ok()) return s;
+    }
+    return coordinator_->SubmitJob(spec, std::move(*upload));
+  }
+
+  Job WaitForState(const std::string& job_id, JobState state) {
+    int64_t version = -1;
+    const absl::Time deadline = absl::Now() + absl::Seconds(60);
+    Job job;
+    while (absl::Now() < deadline) {
+      auto j = coordinator_->WaitForChange(job_id, &version, absl::Seconds(1));
+      if (!j.ok()) break;
+      job = *j;
+      if (job.state() == state) break;
+    }
+    return job;
+  }
+
+  // Plays a worker that trains nothing: reports its address, `steps` step reports,
+  // sends its stages back unchanged and finishes.
+  void PlayRank(const std::string& worker_id, const Received& r, int steps) {
+    const Assignment& a = r.assignment;
+    WorkerMessage addr;
+    addr.mutable_address()->set_job_id(a.job_id());
+    addr.mutable_address()->set_rank(a.rank());
+    addr.mutable_address()->set_ucx_address(absl::StrCat("ucx-", a.rank()));
+    coordinator_->OnWorkerMessage(worker_id, addr);
+    for (int step = 0; step < steps; ++step) {
+      WorkerMessage rep;
+      rep.mutable_step()->set_job_id(a.job_id());
+      rep.mutable_step()->set_rank(a.rank());
+      rep.mutable_step()->set_step(step);
+      rep.mutable_step()->set_step_seconds(0.01);
+      coordinator_->OnWorkerMessage(worker_id, rep);
+    }
+    for (const auto& [stage, bytes] : r.stages) {
+      for (size_t off = 0; off < bytes.size(); off += 4096) {
+        WorkerMessage m;
+        m.mutable_stage_result()->set_job_id(a.job_id());
+        m.mutable_stage_result()->set_stage(stage);
+        m.mutable_stage_result()->set_chunk(bytes.substr(off, 4096));
+        m.mutable_stage_result()->set_last_chunk(off + 4096 >= bytes.size());
+        coordinator_->OnWorkerMessage(worker_id, m);
+      }
+    }
+  }
+
+  void FinishRank(const std::string& worker_id, const Assignment& a, bool ok, const std::string& error = "") {
+    WorkerMessage f;
+    f.mutable_finished()->set_job_id(a.job_id());
+    f.mutable_finished()->set_rank(a.rank());
+    f.mutable_finished()->set_ok(ok);
+    f.mutable_finished()->set_error(error);
+    coordinator_->OnWorkerMessage(worker_id, f);
+  }
+
+  std::string state_;
+  std::unique_ptr<Coordinator> coordinator_;
+  std::vector<std::string> ids_;
+};
+
+TEST_F(CoordinatorTest, ThreeStageJob_EachWorkerIsSentOnlyItsStageAndItsShareOfTheData) {
+  Start("only_its_stage", /*chunk_bytes=*/4096);
+  auto workers = AddWorkers(3);
+  const std::string model = Slurp(kZoo + "mlp.pt");
+  const std::string data = Slurp(kZoo + "mlp.data.pt");
+  auto id = Submit(MlpSpec(3), model, data);
+  ASSERT_TRUE(id.ok()) << id.status();
+  auto job = coordinator_->GetJob(*id);
+  ASSERT_TRUE(job.ok());
+  ASSERT_EQ(job->plan().stages_size(), 3);
+  ASSERT_EQ(job->stage_file_bytes_size(), 3);
+  int64_t total = 0;
+  for (int r = 0; r < 3; ++r) {
+    Received got = Collect(workers[r]->WaitFor(AssignmentArrived));
+    ASSERT_TRUE(got.complete) << "worker " << r;
+    const Assignment& a = got.assignment;
+    // Only its own stage (1F1B: stage r on rank r), whole, in several chunks.
+    ASSERT_EQ(got.stages.size(), 1u);
+    const int stage = got.stages.begin()->first;
+    EXPECT_EQ(stage, a.rank());
+    const std::string& bytes = got.stages.begin()->second;
+    EXPECT_EQ(static_cast<int64_t>(bytes.size()), job->stage_file_bytes(stage));
+    EXPECT_GT(got.stage_chunks, 1);
+    EXPECT_EQ(bytes, Slurp(absl::StrCat(state_, "/jobs/", *id, "/stage_", stage, ".pt")));
+    // The bytes are a loadable stage module holding exactly the plan's parameters.
+    auto module = partition::LoadModelFromBytes(bytes, "stage");
+    ASSERT_TRUE(module.ok()) << module.status();
+    std::set<std::string> names;
+    for (const auto& p : module->named_parameters(true)) names.insert(p.name);
+    for (const ParameterInfo& pi : job->plan().stages(stage).parameters()) {
+      if (!pi.is_buffer()) EXPECT_TRUE(names.count(pi.name())) << pi.name();
+    }
+    // Its slice of the plan: other stages' parameter lists are left out.
+    for (const StagePlan& sp : a.plan().stages()) {
+      EXPECT_EQ(sp.parameters_size() > 0, sp.index() == stage) << "stage " << sp.index();
+    }
+    // Data: inputs for the first stage's rank, targets for the last's, nothing between.
+    EXPECT_EQ(static_cast<int64_t>(got.data.size()), a.data_bytes());
+    if (a.rank() == 1) EXPECT_TRUE(got.data.empty());
+    if (a.rank() != 1) {
+      std::vector<char> raw(got.data.begin(), got.data.end());
+      auto share = torch::jit::pickle_load(raw).toGenericDict();
+      EXPECT_EQ(share.contains("targets"), a.rank() == 2);
+      EXPECT_EQ(share.at("inputs").toGenericDict().size(), a.rank() == 0 ? 1u : 0u);
+    }
+    EXPECT_LE(static_cast<double>(bytes.size() + got.data.size()),
+              1.1 * static_cast<double>(job->stage_file_bytes(stage) + a.data_bytes()));
+    total += static_cast<int64_t>(bytes.size());
+  }
+  // Together the workers received about one model, not one each.
+  EXPECT_LT(static_cast<double>(total), 1.5 * static_cast<double>(model.size()));
+  std::cout << "[ figure   ] model " << model.size() << " bytes; 3 workers received " << total
+            << " bytes of stages in all\n";
+}
+
+TEST_F(CoordinatorTest, WholeJob_RunsToSucceeded_AndServesTheAssembledModel) {
+  Start("whole_job");
+  auto workers = AddWorkers(2);
+  auto id = Submit(MlpSpec(2), Slurp(kZoo + "mlp.pt"), Slurp(kZoo + "mlp.data.pt"));
+  ASSERT_TRUE(id.ok()) << id.status();
+  std::vector<Received> got;
+  for (int r = 0; r < 2; ++r) got.push_back(Collect(workers[r]->WaitFor(AssignmentArrived)));
+  EXPECT_EQ(coordinator_->GetJob(*id)->state(), PLACING);
+  for (int r = 0; r < 2; ++r) PlayRank(ids_[r], got[r], 2);
+  // Every rank has its peers' addresses once all reported theirs.
+  for (int r = 0; r < 2; ++r) {
+    auto msgs = workers[r]->WaitFor([](const std::vector<CoordinatorMessage>& m) {
+      return std::any_of(m.begin(), m.end(), [](const CoordinatorMessage& x) { return x.has_peers(); });
+    });
+    auto peers = std::find_if(msgs.begin(), msgs.end(), [](const CoordinatorMessage& x) { return x.has_peers(); });
+    ASSERT_NE(peers, msgs.end());
+    EXPECT_EQ(peers->peers().ucx_addresses_size(), 2);
+  }
+  auto running = coordinator_->GetJob(*id);
+  EXPECT_EQ(running->step(), 2);
+  EXPECT_EQ(running->losses_size(), 2);
+  for (int r = 0; r < 2; ++r) FinishRank(ids_[r], got[r].assignment, true);
+  Job done = WaitForState(*id, SUCCEEDED);
+  ASSERT_EQ(done.state(), SUCCEEDED) << done.reason();
+  EXPECT_TRUE(done.model_ready());
+  auto path = coordinator_->ResultPath(*id);
+  ASSERT_TRUE(path.ok()) << path.status();
+  // The assembled model has the original structure and (untrained here) its parameters.
+  auto merged = partition::LoadModel(*path);
+  auto original = partition::LoadModel(kZoo + "mlp.pt");
+  ASSERT_TRUE(merged.ok() && original.ok());
+  auto a = original->named_parameters(true);
+  auto b = merged->named_parameters(true);
+  ASSERT_EQ(a.size(), b.size());
+  for (auto ia = a.begin(), ib = b.begin(); ia != a.end(); ++ia, ++ib) {
+    EXPECT_EQ((*ia).name, (*ib).name);
+    EXPECT_TRUE((*ia).value.equal((*ib).value)) << (*ia).name;
+  }
+  // The job's inputs are gone from the state directory; the result stays.
+  EXPECT_FALSE(std::filesystem::exists(absl::StrCat(state_, "/jobs/", *id)));
+  for (const WorkerInfo& w : coordinator_->ListWorkers()) EXPECT_EQ(w.state(), IDLE) << w.name();
+}
+
+TEST_F(CoordinatorTest, MissingResult_FailsTheJobInsteadOfServingAPartialModel) {
+  Start("missing_result");
+  auto workers = AddWorkers(2);
+  auto id = Submit(MlpSpec(2), Slurp(kZoo + "mlp.pt"), Slurp(kZoo + "mlp.data.pt"));
+  ASSERT_TRUE(id.ok()) << id.status();
+  std::vector<Received> got;
+  for (int r = 0; r < 2; ++r) got.push_back(Collect(workers[r]->WaitFor(AssignmentArrived)));
+  PlayRank(ids_[0], got[0], 1);
+  Received no_stages = got[1];
+  no_stages.stages.clear();  // rank 1 "forgets" to send its trained stage
+  PlayRank(ids_[1], no_stages, 1);
+  for (int r = 0; r < 2; ++r) FinishRank(ids_[r], got[r].assignment, true);
+  Job done = WaitForState(*id, FAILED);
+  EXPECT_EQ(done.state(), FAILED);
+  EXPECT_THAT(done.reason(), HasSubstr("without sending all of its trained stages"));
+  EXPECT_FALSE(coordinator_->ResultPath(*id).ok());
+}
+
+TEST_F(CoordinatorTest, WorkerLost_FailsTheJobNamingIt_AndTellsTheOthersToStop) {
+  Start("worker_lost");
+  auto workers = AddWorkers(2);
+  auto id = Submit(MlpSpec(2), Slurp(kZoo + "mlp.pt"), Slurp(kZoo + "mlp.data.pt"));
+  ASSERT_TRUE(id.ok());
+  for (int r = 0; r < 2; ++r) workers[r]->WaitFor(AssignmentArrived);
+  coordinator_->RemoveWorker(ids_[1], "disconnected (test)");
+  Job job = *coordinator_->GetJob(*id);
+  EXPECT_EQ(job.state(), FAILED);
+  EXPECT_THAT(job.reason(), HasSubstr("worker w1"));
+  EXPECT_THAT(job.reason(), HasSubstr("stages 1"));
+  auto msgs = workers[0]->WaitFor([](const std::vector<CoordinatorMessage>& m) {
+    return std::any_of(m.begin(), m.end(), [](const CoordinatorMessage& x) { return x.has_cancel(); });
+  });
+  EXPECT_TRUE(std::any_of(msgs.begin(), msgs.end(), [](const CoordinatorMessage& x) { return x.has_cancel(); }));
+  // The survivor is busy until it reports back, then idle.
+  FinishRank(ids_[0], Collect(msgs).assignment, false, "cancelled");
+  auto listed = coordinator_->ListWorkers();
+  ASSERT_EQ(listed.size(), 1u);
+  EXPECT_EQ(listed[0].state(), IDLE);
+}
+
+TEST_F(CoordinatorTest, Cancel_EndsTheJob_AndFreesWorkersWhenTheyReport) {
+  Start("cancel");
+  auto workers = AddWorkers(2);
+  auto id = Submit(MlpSpec(2), Slurp(kZoo + "mlp.pt"), Slurp(kZoo + "mlp.data.pt"));
+  ASSERT_TRUE(id.ok());
+  std::vector<Received> got;
+  for (int r = 0; r < 2; ++r) got.push_back(Collect(workers[r]->WaitFor(AssignmentArrived)));
+  auto cancelled = coordinator_->CancelJob(*id);
+  ASSERT_TRUE(cancelled.ok());
+  EXPECT_EQ(cancelled->state(), CANCELLED);
+  EXPECT_EQ(coordinator_->CancelJob(*id).status().code(), absl::StatusCode::kFailedPrecondition);
+  for (int r = 0; r < 2; ++r) FinishRank(ids_[r], got[r].assignment, false, "cancelled");
+  for (const WorkerInfo& w : coordinator_->ListWorkers()) EXPECT_EQ(w.state(), IDLE);
+  EXPECT_FALSE(std::filesystem::exists(absl::StrCat(state_, "/jobs/", *id)));
+}
+
+TEST_F(CoordinatorTest, BadSubmissions_AreRefusedNamingTheField_AndLeaveNothingBehind) {
+  Start("refused");
+  AddWorkers(2);
+  const std::string model = Slurp(kZoo + "mlp.pt"), data = Slurp(kZoo + "mlp.data.pt");
+  struct Case {
+    std::string name;
+    JobSpec spec;
+    std::string model, data, want;
+  };
+  JobSpec unknown_split = MlpSpec(2);
+  unknown_split.mutable_split()->set_stages(0);
+  unknown_split.mutable_split()->add_split_at("layers.99");
+  JobSpec too_many = MlpSpec(3);
+  JobSpec no_loss = MlpSpec(2);
+  no_loss.clear_loss();
+  std::vector<Case> cases = {
+      {"empty model", MlpSpec(2), "", data, "model: empty"},
+      {"not torchscript", MlpSpec(2), "hello", data, "model: 'model' is not a TorchScript archive"},
+      {"no data", MlpSpec(2), model, "", "data: missing"},
+      {"data that does not fit", MlpSpec(2), model, Slurp(kZoo + "gpt.data.pt"), "data"},
+      {"unknown split point", unknown_split, model, data, "split:"},
+      {"more workers than registered", too_many, model, data, "needs 3 workers"},
+      {"missing loss", no_loss, model, data, "loss: missing"},
+  };
+  for (const Case& c : cases) {
+    auto id = Submit(c.spec, c.model, c.data);
+    ASSERT_FALSE(id.ok()) << c.name;
+    EXPECT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument) << c.name << ": " << id.status();
+    EXPECT_THAT(std::string(id.status().message()), HasSubstr(c.want)) << c.name;
+  }
+  EXPECT_TRUE(coordinator_->ListJobs().empty());
+  EXPECT_TRUE(std::filesystem::is_empty(state_ + "/uploads"));
+  EXPECT_TRUE(std::filesystem::is_empty(state_ + "/jobs"));
+}
+
+TEST_F(CoordinatorTest, Restart_FailsUnfinishedJobs_KeepsFinishedOnesFetchable) {
+  Start("restart");
+  auto workers = AddWorkers(2);
+  auto finished = Submit(MlpSpec(2), Slurp(kZoo + "mlp.pt"), Slurp(kZoo + "mlp.data.pt"));
+  ASSERT_TRUE(finished.ok());
+  std::vector<Received> got;
+  for (int r = 0; r < 2; ++r) got.push_back(Collect(workers[r]->WaitFor(AssignmentArrived)));
+  for (int r = 0; r < 2; ++r) PlayRank(ids_[r], got[r], 2);
+  for (int r = 0; r < 2; ++r) FinishRank(ids_[r], got[r].assignment, true);
+  ASSERT_EQ(WaitForState(*finished, SUCCEEDED).state(), SUCCEEDED);
+  auto unfinished = Submit(MlpSpec(2), Slurp(kZoo + "mlp.pt"), Slurp(kZoo + "mlp.data.pt"));
+  ASSERT_TRUE(unfinished.ok());
+  coordinator_.reset();
+  Coordinator::Options o;
+  o.state_dir = state_;
+  coordinator_ = *Coordinator::Create(o);
+  EXPECT_EQ(coordinator_->GetJob(*finished)->state(), SUCCEEDED);
+  EXPECT_TRUE(coordinator_->ResultPath(*finished).ok());
+  auto again = coordinator_->GetJob(*unfinished);
+  EXPECT_EQ(again->state(), FAILED);
+  EXPECT_THAT(again->reason(), HasSubstr("the coordinator restarted"));
+  EXPECT_FALSE(std::filesystem::exists(absl::StrCat(state_, "/jobs/", *unfinished)));
+}
+
+}  // namespace
+}  // namespace pippy::coordinator

@@ -1,0 +1,135 @@
+#include "coordinator/job_preparation.h"
+
+#include <filesystem>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "common/torch_status.h"
+#include "coordinator/artifact_store.h"
+#include "pipeline/job/job_plan.h"
+#include "pipeline/job/job_spec.h"
+#include "pipeline/partition/model_io.h"
+#include "pipeline/partition/partition.h"
+#include "pipeline/stage/data_source.h"
+#include "pipeline/stage/microbatch.h"
+#include "pipeline/stage/synthetic_data.h"
+#include "pipeline/stage/training.h"
+#include "torch/csrc/jit/runtime/graph_executor.h"
+
+namespace pippy::coordinator {
+namespace {
+
+absl::Status Field(absl::string_view field, const absl::Status& s) {
+  if (s.ok()) return s;
+  return absl::Status(s.code() == absl::StatusCode::kInternal ? s.code() : absl::StatusCode::kInvalidArgument,
+                      absl::StrCat(field, ": ", s.message()));
+}
+
+template <typename T>
+absl::StatusOr<T> Field(absl::string_view field, absl::StatusOr<T> v) {
+  if (v.ok()) return v;
+  return Field(field, v.status());
+}
+
+absl::Status Bad(absl::string_view field, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
+}
+
+// The data's bytes: the uploaded file, or made from the synthetic spec.
+absl::StatusOr<std::string> DataBytes(const JobSpec& spec, const std::string& dir) {
+  const std::string path = dir + "/data.pt";
+  const bool have_file = std::filesystem::exists(path);
+  if (have_file && !spec.data().synthetic().empty()) {
+    return Bad("data", "give a data file or a synthetic spec, not both");
+  }
+  if (have_file) return partition::ReadFile(path);
+  if (spec.data().synthetic().empty()) {
+    return Bad("data", "missing: send a torch.save({\"inputs\": ..., \"targets\": ...}) file or a synthetic spec");
+  }
+  std::string synthetic = spec.data().synthetic();
+  if (!absl::StrContains(synthetic, "seed=")) absl::StrAppend(&synthetic, ";seed=", spec.seed());
+  return stage::MakeSyntheticData(synthetic);
+}
+
+}  // namespace
+
+absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::string& dir) {
+  PreparedJob out;
+  out.spec = submitted;
+  JobSpec& spec = out.spec;
+  PIPPY_RETURN_IF_ERROR(job::CheckSpec(&spec));
+  const bool train = spec.mode() == MODE_TRAIN;
+  torch::jit::setGraphExecutorOptimize(false);
+
+  const std::string model_path = dir + "/model.pt";
+  if (ArtifactStore::FileSize(model_path) <= 0) return Bad("model", "empty: send the TorchScript file's bytes");
+  absl::StatusOr<torch::jit::Module> loaded = partition::LoadModel(model_path);
+  if (!loaded.ok()) {
+    // Name the model as the user knows it, not by the coordinator's file.
+    std::string msg(loaded.status().message());
+    const std::string quoted = absl::StrCat("'", model_path, "'");
+    if (auto at = msg.find(quoted); at != std::string::npos) msg.replace(at, quoted.size(), "'model'");
+    return Bad("model", msg);
+  }
+  torch::jit::Module& model = *loaded;
+
+  // The data, and its first micro-batch as the example that checks it fits.
+  PIPPY_ASSIGN_OR_RETURN(std::string data_bytes, DataBytes(spec, dir));
+  PIPPY_ASSIGN_OR_RETURN(stage::DataSource data,
+                         stage::DataSource::FromBytes(data_bytes, partition::ForwardArgumentNames(model)));
+  data_bytes.clear();
+  data_bytes.shrink_to_fit();
+  if (train && !data.has_targets()) return Bad("data", "training needs \"targets\" in the data file");
+  if (!train && static_cast<int64_t>(spec.steps()) * spec.batch_size() > data.num_samples() * 64) {
+    return Bad("steps", "an inference job reads each sample at most a few times; lower steps or batch_size");
+  }
+  const int m = spec.schedule().microbatches();
+  std::vector<std::string> names = partition::ForwardArgumentNames(model);
+  PIPPY_ASSIGN_OR_RETURN(auto mb_inputs, Field("data", stage::SplitIntoMicrobatches(
+                                                           data.Inputs(0, spec.batch_size()), m, {}, names)));
+  const std::vector<c10::IValue>& example = mb_inputs[0];
+  absl::StatusOr<c10::IValue> output = partition::RunForwardOnce(model, example);
+  if (!output.ok()) return Field("data: the inputs do not fit the model", output.status());
+  if (train) {
+    PIPPY_ASSIGN_OR_RETURN(auto mb_targets, Field("data", stage::SplitIntoMicrobatches(
+                                                               {data.Target(0, spec.batch_size())}, m, {}, {"targets"})));
+    torch::NoGradGuard no_grad;
+    absl::StatusOr<at::Tensor> loss = stage::ComputeLoss(spec.loss(), model, *output, mb_targets[0][0]);
+    if (!loss.ok()) return Field("data: the targets do not fit the model's output", loss.status());
+  }
+
+  // Split once; the stages share the model's tensors (they are only written out).
+  partition::SplitOptions so;
+  so.num_stages = spec.split().stages();
+  so.split_at.assign(spec.split().split_at().begin(), spec.split().split_at().end());
+  so.balance = spec.split().balance();
+  so.example_inputs = example;
+  so.share_tensors = true;
+  so.model_name = spec.name();
+  absl::StatusOr<partition::Pipe> pipe = partition::SplitModel(model, so);
+  if (!pipe.ok()) return Field("split", pipe.status());
+  out.plan = pipe->plan;
+  PIPPY_ASSIGN_OR_RETURN(out.ranks, job::RanksFor(spec, out.plan));
+  PIPPY_ASSIGN_OR_RETURN(schedule::Schedule sched, job::ScheduleFor(spec, out.plan));
+  out.stage_to_rank = sched.stage_to_rank;
+
+  for (size_t s = 0; s < pipe->stages.size(); ++s) {
+    const std::string path = absl::StrCat(dir, "/", ArtifactStore::StageFileName(static_cast<int>(s)));
+    PIPPY_RETURN_IF_ERROR(partition::SaveModule(pipe->stages[s], path));
+    out.stage_file_bytes.push_back(ArtifactStore::FileSize(path));
+  }
+  for (int r = 0; r < out.ranks; ++r) {
+    job::DataNeeds needs = job::DataNeedsOf(spec, out.plan, sched, r);
+    PIPPY_ASSIGN_OR_RETURN(std::string share, data.ShareBytes(needs.inputs, needs.targets));
+    const std::string path = absl::StrCat(dir, "/", ArtifactStore::ShareFileName(r));
+    std::ofstream f(path, std::ios::binary | std::ios::trunc);
+    f.write(share.data(), static_cast<std::streamsize>(share.size()));
+    f.close();
+    if (!f) return absl::UnavailableError(absl::StrCat("cannot write '", path, "'"));
+    out.share_bytes.push_back(static_cast<int64_t>(share.size()));
+  }
+  return out;
+}
+
+}  // namespace pippy::coordinator

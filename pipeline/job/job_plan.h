@@ -1,0 +1,44 @@
+// From a checked job spec and the partitioner's plan to what each rank runs: the
+// schedule (per-rank action lists and the stage -> rank placement), the stages each
+// rank holds, the slice of the plan it is sent and the data it needs. Written once
+// and used by the coordinator (at submission and placement), the worker, pippy-rank,
+// the benchmarks and the tests. No LibTorch.
+#ifndef PIPPY_PIPELINE_JOB_JOB_PLAN_H_
+#define PIPPY_PIPELINE_JOB_JOB_PLAN_H_
+
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "pipeline/schedule/schedule.h"
+#include "proto/job.pb.h"
+#include "proto/plan.pb.h"
+
+namespace pippy::job {
+
+// The stage graph (who consumes whose outputs) of a plan.
+schedule::StageGraph StageGraphOf(const PipelinePlan& plan);
+
+// Ranks (workers) the job needs: stages / stages per worker.
+// Errors: INVALID_ARGUMENT ("schedule.stages_per_worker: ...") when they do not divide.
+absl::StatusOr<int> RanksFor(const JobSpec& spec, const PipelinePlan& plan);
+
+// The job's schedule over RanksFor ranks, with the plan's stage graph, validated
+// (no deadlock). REQUIRES: CheckSpec(spec) passed. Errors: INVALID_ARGUMENT naming
+// the precondition the schedule misses ("schedule: 1f1b needs ...").
+absl::StatusOr<schedule::Schedule> ScheduleFor(const JobSpec& spec, const PipelinePlan& plan);
+
+// What a rank needs of the data: the model inputs its stages read, and the targets
+// if it holds the last stage of a training job (the loss is computed there).
+struct DataNeeds {
+  std::vector<int> inputs;
+  bool targets = false;
+};
+DataNeeds DataNeedsOf(const JobSpec& spec, const PipelinePlan& plan, const schedule::Schedule& schedule, int rank);
+
+// The plan as a rank is sent it: every stage's inputs, outputs and consumers, the
+// tied-weight groups, and parameter lists only for the rank's own stages.
+PipelinePlan PlanSliceFor(const PipelinePlan& plan, const schedule::Schedule& schedule, int rank);
+
+}  // namespace pippy::job
+
+#endif  // PIPPY_PIPELINE_JOB_JOB_PLAN_H_

@@ -1,0 +1,165 @@
+#include "pipeline/job/job_spec.h"
+
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace pippy::job {
+namespace {
+
+template <typename E>
+using NameTable = std::vector<std::pair<E, const char*>>;
+
+const NameTable<LossKind>& Losses() {
+  static const auto* t = new NameTable<LossKind>{
+      {LOSS_MSE, "mse"}, {LOSS_CROSS_ENTROPY, "cross_entropy"}, {LOSS_MODEL, "model"}};
+  return *t;
+}
+const NameTable<OptimizerKind>& Optimizers() {
+  static const auto* t = new NameTable<OptimizerKind>{
+      {OPTIMIZER_SGD, "sgd"}, {OPTIMIZER_ADAM, "adam"}, {OPTIMIZER_ADAMW, "adamw"}};
+  return *t;
+}
+const NameTable<Balance>& Balances() {
+  static const auto* t =
+      new NameTable<Balance>{{BALANCE_PARAMS, "params"}, {BALANCE_FLOPS, "flops"}, {BALANCE_TIME, "time"}};
+  return *t;
+}
+
+template <typename E>
+absl::StatusOr<E> Lookup(const NameTable<E>& table, absl::string_view name, absl::string_view what) {
+  std::vector<std::string> names;
+  for (const auto& [value, n] : table) {
+    if (name == n) return value;
+    names.push_back(n);
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown ", what, " '", name, "': use ", absl::StrJoin(names, ", ")));
+}
+
+template <typename E>
+std::string NameOf(const NameTable<E>& table, E value) {
+  for (const auto& [v, n] : table) {
+    if (v == value) return n;
+  }
+  return "unspecified";
+}
+
+absl::Status Bad(absl::string_view field, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
+}
+
+}  // namespace
+
+absl::StatusOr<ScheduleKind> ParseSchedule(absl::string_view name) {
+  auto kind = schedule::ParseScheduleKind(std::string(name));
+  if (!kind.ok()) return kind.status();
+  switch (*kind) {
+    case schedule::ScheduleKind::kGPipe: return SCHEDULE_GPIPE;
+    case schedule::ScheduleKind::k1F1B: return SCHEDULE_1F1B;
+    case schedule::ScheduleKind::kInterleaved1F1B: return SCHEDULE_INTERLEAVED_1F1B;
+    case schedule::ScheduleKind::kLoopedBFS: return SCHEDULE_LOOPED_BFS;
+    case schedule::ScheduleKind::kInterleavedZeroBubble: return SCHEDULE_ZB1P;
+    case schedule::ScheduleKind::kZBV: return SCHEDULE_ZBV;
+    case schedule::ScheduleKind::kForwardOnly: return SCHEDULE_INFERENCE;
+  }
+  return absl::InternalError("unmapped schedule kind");
+}
+
+schedule::ScheduleKind EngineSchedule(ScheduleKind kind) {
+  switch (kind) {
+    case SCHEDULE_GPIPE: return schedule::ScheduleKind::kGPipe;
+    case SCHEDULE_1F1B: return schedule::ScheduleKind::k1F1B;
+    case SCHEDULE_INTERLEAVED_1F1B: return schedule::ScheduleKind::kInterleaved1F1B;
+    case SCHEDULE_LOOPED_BFS: return schedule::ScheduleKind::kLoopedBFS;
+    case SCHEDULE_ZB1P: return schedule::ScheduleKind::kInterleavedZeroBubble;
+    case SCHEDULE_ZBV: return schedule::ScheduleKind::kZBV;
+    case SCHEDULE_INFERENCE: return schedule::ScheduleKind::kForwardOnly;
+    default: break;
+  }
+  // CheckSpec refuses UNSPECIFIED before anything asks.
+  return schedule::ScheduleKind::kGPipe;
+}
+
+std::string ScheduleName(ScheduleKind kind) {
+  if (kind == SCHEDULE_KIND_UNSPECIFIED || !ScheduleKind_IsValid(kind)) return "unspecified";
+  return schedule::ScheduleKindName(EngineSchedule(kind));
+}
+
+absl::StatusOr<LossKind> ParseLoss(absl::string_view name) { return Lookup(Losses(), name, "loss"); }
+std::string LossName(LossKind loss) { return NameOf(Losses(), loss); }
+absl::StatusOr<OptimizerKind> ParseOptimizer(absl::string_view name) {
+  return Lookup(Optimizers(), name, "optimizer");
+}
+std::string OptimizerName(OptimizerKind optimizer) { return NameOf(Optimizers(), optimizer); }
+absl::StatusOr<Balance> ParseBalance(absl::string_view name) { return Lookup(Balances(), name, "--balance"); }
+std::string BalanceName(Balance balance) {
+  return NameOf(Balances(), balance == BALANCE_UNSPECIFIED ? BALANCE_PARAMS : balance);
+}
+
+std::string ModeName(Mode mode) {
+  switch (mode) {
+    case MODE_TRAIN: return "train";
+    case MODE_INFERENCE: return "inference";
+    default: return "unspecified";
+  }
+}
+
+double DefaultWeightDecay(OptimizerKind optimizer) { return optimizer == OPTIMIZER_ADAMW ? 0.01 : 0.0; }
+
+absl::Status CheckSpec(JobSpec* spec) {
+  ScheduleSpec* sched = spec->mutable_schedule();
+  if (sched->kind() == SCHEDULE_KIND_UNSPECIFIED) return Bad("schedule.kind", "missing (e.g. 1f1b)");
+  if (!ScheduleKind_IsValid(sched->kind())) return Bad("schedule.kind", absl::StrCat("unknown value ", sched->kind()));
+  const bool forward_only = sched->kind() == SCHEDULE_INFERENCE;
+  if (spec->mode() == MODE_UNSPECIFIED) spec->set_mode(forward_only ? MODE_INFERENCE : MODE_TRAIN);
+  if (!Mode_IsValid(spec->mode())) return Bad("mode", "use train or inference");
+  const bool train = spec->mode() == MODE_TRAIN;
+  if (!train && !forward_only) return Bad("schedule.kind", "an inference job runs the inference schedule");
+  if (train && forward_only) {
+    return Bad("schedule.kind", "inference runs forward only; use mode inference or a training schedule");
+  }
+  if (sched->microbatches() < 1) return Bad("schedule.microbatches", "must be at least 1");
+  if (sched->stages_per_worker() < 0) return Bad("schedule.stages_per_worker", "must not be negative");
+  if (sched->stages_per_worker() == 0) {
+    sched->set_stages_per_worker(schedule::DefaultStagesPerRank(EngineSchedule(sched->kind())));
+  }
+  if (spec->steps() < 1) return Bad("steps", "must be at least 1");
+  if (spec->batch_size() < 1) return Bad("batch_size", "must be at least 1");
+  if (spec->batch_size() % sched->microbatches() != 0) {
+    return Bad("batch_size", absl::StrCat(spec->batch_size(), " does not split into ", sched->microbatches(),
+                                          " equal micro-batches"));
+  }
+  if (spec->split().stages() < 0) return Bad("split.stages", "must not be negative");
+  if (spec->split().stages() == 0 && spec->split().split_at().empty()) {
+    return Bad("split", "give split.stages or split.split_at");
+  }
+  if (!Balance_IsValid(spec->split().balance())) return Bad("split.balance", "use params, flops or time");
+  if (spec->split().balance() == BALANCE_UNSPECIFIED) spec->mutable_split()->set_balance(BALANCE_PARAMS);
+  if (train) {
+    if (spec->loss() == LOSS_UNSPECIFIED) return Bad("loss", "missing (mse, cross_entropy or model)");
+    if (!LossKind_IsValid(spec->loss())) return Bad("loss", "use mse, cross_entropy or model");
+    OptimizerSpec* o = spec->mutable_optimizer();
+    if (o->kind() == OPTIMIZER_UNSPECIFIED) return Bad("optimizer.kind", "missing (sgd, adam or adamw)");
+    if (!OptimizerKind_IsValid(o->kind())) return Bad("optimizer.kind", "use sgd, adam or adamw");
+    if (!(o->lr() > 0)) return Bad("optimizer.lr", "must be > 0");
+    if (o->momentum() < 0) return Bad("optimizer.momentum", "must not be negative");
+    if (o->momentum() > 0 && o->kind() != OPTIMIZER_SGD) {
+      return Bad("optimizer.momentum", "only sgd takes momentum (adam and adamw use beta1)");
+    }
+    if (!o->has_weight_decay()) o->set_weight_decay(DefaultWeightDecay(o->kind()));
+    if (o->weight_decay() < 0) return Bad("optimizer.weight_decay", "must not be negative");
+    if (!o->has_beta1()) o->set_beta1(0.9);
+    if (!o->has_beta2()) o->set_beta2(0.999);
+    if (!o->has_eps()) o->set_eps(1e-8);
+    if (o->beta1() < 0 || o->beta1() >= 1) return Bad("optimizer.beta1", "must be in [0, 1)");
+    if (o->beta2() < 0 || o->beta2() >= 1) return Bad("optimizer.beta2", "must be in [0, 1)");
+    if (!(o->eps() > 0)) return Bad("optimizer.eps", "must be > 0");
+    if (o->clip_grad_norm() < 0) return Bad("optimizer.clip_grad_norm", "must not be negative (0: no clipping)");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace pippy::job

@@ -1,0 +1,51 @@
+// The job spec's vocabulary and its checks, written once.
+//
+// Clients parse what users type ("1f1b", "adamw", "cross_entropy") into the spec's
+// enums here; the coordinator checks a submitted spec with CheckSpec, once, and from
+// then on everything takes the typed spec. Nothing downstream compares names.
+#ifndef PIPPY_PIPELINE_JOB_JOB_SPEC_H_
+#define PIPPY_PIPELINE_JOB_JOB_SPEC_H_
+
+#include <string>
+#include "absl/strings/string_view.h"
+
+#include "absl/status/statusor.h"
+#include "pipeline/schedule/schedule.h"
+#include "proto/job.pb.h"
+
+namespace pippy::job {
+
+// Schedules: pippy's names (gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb1p, zbv,
+// inference) and torch's class names. Errors: INVALID_ARGUMENT listing the names.
+absl::StatusOr<ScheduleKind> ParseSchedule(absl::string_view name);
+std::string ScheduleName(ScheduleKind kind);  // "1f1b"; "unspecified" for 0
+// The engine's enum for a schedule kind. REQUIRES: kind is not UNSPECIFIED.
+schedule::ScheduleKind EngineSchedule(ScheduleKind kind);
+
+// "mse" | "cross_entropy" | "model".
+absl::StatusOr<LossKind> ParseLoss(absl::string_view name);
+std::string LossName(LossKind loss);
+
+// "sgd" | "adam" | "adamw".
+absl::StatusOr<OptimizerKind> ParseOptimizer(absl::string_view name);
+std::string OptimizerName(OptimizerKind optimizer);
+
+// "params" | "flops" | "time".
+absl::StatusOr<Balance> ParseBalance(absl::string_view name);
+std::string BalanceName(Balance balance);
+
+// "train" | "inference".
+std::string ModeName(Mode mode);
+
+// torch.optim's default weight decay: 0.01 for AdamW, 0 otherwise.
+double DefaultWeightDecay(OptimizerKind optimizer);
+
+// Checks the fields of `spec` that need neither the model nor the data, and fills in
+// defaults: the mode from the schedule, stages per worker, weight decay, betas and eps.
+// Errors: INVALID_ARGUMENT whose message starts with the field ("optimizer.lr: must
+// be > 0").
+absl::Status CheckSpec(JobSpec* spec);
+
+}  // namespace pippy::job
+
+#endif  // PIPPY_PIPELINE_JOB_JOB_SPEC_H_

@@ -1,0 +1,111 @@
+#include "pipeline/job/job_spec.h"
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace pippy::job {
+namespace {
+
+using ::testing::HasSubstr;
+
+JobSpec TrainSpec() {
+  JobSpec spec;
+  spec.mutable_split()->set_stages(2);
+  spec.mutable_schedule()->set_kind(SCHEDULE_1F1B);
+  spec.mutable_schedule()->set_microbatches(4);
+  spec.set_loss(LOSS_MSE);
+  spec.mutable_optimizer()->set_kind(OPTIMIZER_ADAMW);
+  spec.mutable_optimizer()->set_lr(0.001);
+  spec.set_steps(3);
+  spec.set_batch_size(8);
+  return spec;
+}
+
+TEST(JobSpecNames, ScheduleNames_RoundTrip_AndTorchNamesParse) {
+  for (const char* name : {"gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb1p", "zbv", "inference"}) {
+    auto kind = ParseSchedule(name);
+    ASSERT_TRUE(kind.ok()) << name;
+    EXPECT_EQ(ScheduleName(*kind), name);
+  }
+  EXPECT_EQ(*ParseSchedule("ZBVZeroBubble"), SCHEDULE_ZBV);
+  EXPECT_EQ(*ParseSchedule("Interleaved1F1B"), SCHEDULE_INTERLEAVED_1F1B);
+  EXPECT_THAT(std::string(ParseSchedule("zigzag").status().message()), HasSubstr("unknown schedule 'zigzag'"));
+}
+
+TEST(JobSpecNames, LossOptimizerBalance_RoundTrip_AndUnknownNamesListChoices) {
+  for (const char* n : {"mse", "cross_entropy", "model"}) EXPECT_EQ(LossName(*ParseLoss(n)), n);
+  for (const char* n : {"sgd", "adam", "adamw"}) EXPECT_EQ(OptimizerName(*ParseOptimizer(n)), n);
+  for (const char* n : {"params", "flops", "time"}) EXPECT_EQ(BalanceName(*ParseBalance(n)), n);
+  EXPECT_THAT(std::string(ParseOptimizer("lamb").status().message()),
+              HasSubstr("unknown optimizer 'lamb': use sgd, adam, adamw"));
+  EXPECT_THAT(std::string(ParseLoss("l1").status().message()), HasSubstr("use mse, cross_entropy, model"));
+}
+
+TEST(CheckSpec, AdamW_WithoutWeightDecay_GetsTorchDefault) {
+  JobSpec spec = TrainSpec();
+  ASSERT_TRUE(CheckSpec(&spec).ok());
+  EXPECT_DOUBLE_EQ(spec.optimizer().weight_decay(), 0.01);
+  EXPECT_DOUBLE_EQ(spec.optimizer().beta1(), 0.9);
+  EXPECT_DOUBLE_EQ(spec.optimizer().beta2(), 0.999);
+  EXPECT_EQ(spec.mode(), MODE_TRAIN);
+  EXPECT_EQ(spec.schedule().stages_per_worker(), 1);
+  EXPECT_EQ(spec.split().balance(), BALANCE_PARAMS);
+}
+
+TEST(CheckSpec, ExplicitZeroWeightDecay_IsKept) {
+  JobSpec spec = TrainSpec();
+  spec.mutable_optimizer()->set_weight_decay(0);
+  ASSERT_TRUE(CheckSpec(&spec).ok());
+  EXPECT_EQ(spec.optimizer().weight_decay(), 0);
+  JobSpec sgd = TrainSpec();
+  sgd.mutable_optimizer()->set_kind(OPTIMIZER_SGD);
+  ASSERT_TRUE(CheckSpec(&sgd).ok());
+  EXPECT_EQ(sgd.optimizer().weight_decay(), 0);
+}
+
+TEST(CheckSpec, InterleavedWithoutStagesPerWorker_DefaultsToTwo) {
+  JobSpec spec = TrainSpec();
+  spec.mutable_schedule()->set_kind(SCHEDULE_INTERLEAVED_1F1B);
+  ASSERT_TRUE(CheckSpec(&spec).ok());
+  EXPECT_EQ(spec.schedule().stages_per_worker(), 2);
+}
+
+TEST(CheckSpec, BadFields_AreNamed) {
+  struct Case {
+    std::function<void(JobSpec*)> change;
+    std::string want;
+  };
+  std::vector<Case> cases = {
+      {[](JobSpec* s) { s->mutable_schedule()->clear_kind(); }, "schedule.kind: missing"},
+      {[](JobSpec* s) { s->mutable_schedule()->set_microbatches(0); }, "schedule.microbatches"},
+      {[](JobSpec* s) { s->set_batch_size(6); }, "batch_size: 6 does not split into 4"},
+      {[](JobSpec* s) { s->set_steps(0); }, "steps: must be at least 1"},
+      {[](JobSpec* s) { s->clear_loss(); }, "loss: missing"},
+      {[](JobSpec* s) { s->mutable_optimizer()->clear_kind(); }, "optimizer.kind: missing"},
+      {[](JobSpec* s) { s->mutable_optimizer()->set_lr(0); }, "optimizer.lr"},
+      {[](JobSpec* s) { s->mutable_optimizer()->set_momentum(0.9); }, "only sgd takes momentum"},
+      {[](JobSpec* s) { s->mutable_split()->set_stages(0); }, "split: give split.stages or split.split_at"},
+      {[](JobSpec* s) { s->set_mode(MODE_INFERENCE); }, "an inference job runs the inference schedule"},
+      {[](JobSpec* s) { s->mutable_schedule()->set_kind(SCHEDULE_INFERENCE); s->set_mode(MODE_TRAIN); },
+       "inference runs forward only"},
+  };
+  for (const Case& c : cases) {
+    JobSpec spec = TrainSpec();
+    c.change(&spec);
+    absl::Status s = CheckSpec(&spec);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.want;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(c.want));
+  }
+}
+
+TEST(CheckSpec, InferenceSchedule_ImpliesInferenceMode_AndNeedsNoOptimizer) {
+  JobSpec spec = TrainSpec();
+  spec.mutable_schedule()->set_kind(SCHEDULE_INFERENCE);
+  spec.clear_loss();
+  spec.clear_optimizer();
+  ASSERT_TRUE(CheckSpec(&spec).ok());
+  EXPECT_EQ(spec.mode(), MODE_INFERENCE);
+}
+
+}  // namespace
+}  // namespace pippy::job

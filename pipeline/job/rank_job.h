@@ -1,0 +1,66 @@
+// One rank of a job, set up the one way every caller sets it up: the worker daemon,
+// pippy-rank, the benchmarks and the tests. From the checked spec, the plan (or the
+// rank's slice of it), the rank's stage modules and a transport, it makes the
+// schedule, the runtime options and the RankRuntime, and runs steps on a DataSource.
+//
+// Thread safety: as RankRuntime (one thread runs steps; Cancel from any thread).
+#ifndef PIPPY_PIPELINE_JOB_RANK_JOB_H_
+#define PIPPY_PIPELINE_JOB_RANK_JOB_H_
+
+#include <map>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "pipeline/schedule/schedule.h"
+#include "pipeline/stage/data_source.h"
+#include "pipeline/stage/rank_runtime.h"
+#include "pipeline/transport/transport.h"
+#include "proto/job.pb.h"
+#include "proto/plan.pb.h"
+#include "torch/script.h"
+
+namespace pippy::job {
+
+// The runtime options a checked spec asks for; `timeout` bounds each wait in a step.
+stage::RuntimeOptions RuntimeOptionsFor(const JobSpec& spec, absl::Duration timeout);
+
+// Seeds this process's random number generator for `rank` of a job (spec.seed + rank),
+// so that dropout and other random ops repeat from run to run. For processes that run
+// one rank; ranks sharing a process share the generator.
+void SeedProcessForRank(const JobSpec& spec, int rank);
+
+class RankJob {
+ public:
+  // REQUIRES: CheckSpec(&spec) passed. `stages`: stage index -> module, exactly the
+  // stages the schedule places on `rank`. The transport must outlive the RankJob.
+  // Errors: INVALID_ARGUMENT when the spec's schedule cannot run this plan, or the
+  // stages, plan and schedule disagree.
+  static absl::StatusOr<std::unique_ptr<RankJob>> Create(const JobSpec& spec, const PipelinePlan& plan, int rank,
+                                                         std::map<int, torch::jit::Module> stages,
+                                                         transport::Transport* transport, absl::Duration timeout);
+
+  // Step `step` of the job on its batch from `data`: a training step, or forward only
+  // for an inference job (the last stage's rank returns the merged output).
+  absl::StatusOr<stage::StepResult> RunStep(int step, const stage::DataSource& data);
+
+  // See RankRuntime::Cancel.
+  void Cancel() { runtime_->Cancel(); }
+
+  int rank() const { return rank_; }
+  const schedule::Schedule& schedule() const { return schedule_; }
+  // The rank's stage modules; a training job trains their parameters in place.
+  const std::map<int, torch::jit::Module>& stages() const { return runtime_->stages(); }
+
+ private:
+  RankJob() = default;
+
+  JobSpec spec_;
+  int rank_ = 0;
+  schedule::Schedule schedule_;
+  std::unique_ptr<stage::RankRuntime> runtime_;
+};
+
+}  // namespace pippy::job
+
+#endif  // PIPPY_PIPELINE_JOB_RANK_JOB_H_
