@@ -181,9 +181,20 @@ torch.jit.script(torch.nn.Sequential(*layers)).save("{model}")
           f"(target < 10 s); fetch {fetch['seconds']:.1f} s")
     print(f"state first seen (s after submit returned): " +
           ", ".join(f"{s} {t:.1f}" for s, t in sorted(seen.items(), key=lambda x: x[1])))
+    # The fetched file is a TorchScript archive PyTorch opens (zip64 past 2 GiB), with
+    # the submitted model's parameter names and shapes.
+    check = subprocess.run(["/usr/bin/python3", "-c", f"""
+import torch
+a = dict(torch.jit.load("{model}").named_parameters())
+b = dict(torch.jit.load("{tmp}/trained.pt").named_parameters())
+assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
+changed = sum(1 for k in a if not torch.equal(a[k], b[k]))
+print(f"fetched model: torch.jit.load opens it; {{len(b)}} parameters, {{changed}} changed by training")
+"""], capture_output=True, text=True, env=env)
+    print(check.stdout.strip() or check.stderr.strip())
     if not a.tmp:
         shutil.rmtree(tmp, ignore_errors=True)
-    return 0
+    return 0 if check.returncode == 0 and worst <= 1 else 1
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/log.h"
+#include "common/status.h"
 #include "coordinator/job_preparation.h"
 #include "pipeline/job/job_plan.h"
 #include "pipeline/job/job_spec.h"
@@ -84,50 +85,146 @@ void Coordinator::Touch(JobEntry& entry) {
 
 absl::StatusOr<std::unique_ptr<Upload>> Coordinator::NewUpload() { return artifacts_->NewUpload(); }
 
+absl::Status Coordinator::AcquireModelSlot() {
+  absl::MutexLock lock(&mu_);
+  auto free_or_stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !model_in_memory_ || stop_; };
+  // No deadline needed: whoever holds the slot lets go when its own bounded work ends.
+  mu_.Await(absl::Condition(&free_or_stopping));
+  if (stop_) return absl::UnavailableError("the coordinator is stopping");
+  model_in_memory_ = true;
+  return absl::OkStatus();
+}
+
+void Coordinator::ReleaseModelSlot() {
+  absl::MutexLock lock(&mu_);
+  model_in_memory_ = false;
+}
+
 absl::StatusOr<std::string> Coordinator::SubmitJob(const JobSpec& spec, std::unique_ptr<Upload> upload) {
   absl::Status closed = upload->Close();
   if (!closed.ok()) return closed;
-  absl::StatusOr<PreparedJob> prepared;
-  {
-    absl::MutexLock one_model(&model_mu_);
-    prepared = PrepareJob(spec, upload->dir());
+  absl::Status slot = AcquireModelSlot();
+  if (!slot.ok()) return slot;
+  absl::StatusOr<PreparedJob> prepared = PrepareJob(spec, upload->dir());
+  if (!prepared.ok()) {
+    ReleaseModelSlot();
+    return prepared.status();
   }
-  if (!prepared.ok()) return prepared.status();
-  Outbox out;
   std::string id;
   {
     absl::MutexLock lock(&mu_);
     const int registered = static_cast<int>(workers_.size());
     // No workers yet: a cluster starting up; the job waits. Some, but too few: refuse.
+    absl::Status refused;
     if (registered > 0 && prepared->ranks > registered) {
-      return absl::InvalidArgumentError(absl::StrCat(
+      refused = absl::InvalidArgumentError(absl::StrCat(
           "split: the job needs ", prepared->ranks, " workers (", prepared->plan.stages_size(), " stages, ",
           prepared->spec.schedule().stages_per_worker(), " per worker) but only ", registered,
           " are registered; use fewer stages or more stages per worker (an interleaved schedule)"));
     }
-    id = absl::StrCat("job-", next_job_++);
-    absl::Status accepted = artifacts_->Accept(*upload, id);
-    if (!accepted.ok()) return accepted;
+    if (refused.ok()) {
+      id = absl::StrCat("job-", next_job_++);
+      refused = artifacts_->Accept(*upload, id);
+    }
+    if (!refused.ok()) {
+      model_in_memory_ = false;
+      return refused;
+    }
     JobEntry entry;
     entry.job.set_job_id(id);
     *entry.job.mutable_spec() = prepared->spec;
     *entry.job.mutable_plan() = prepared->plan;
-    entry.job.set_state(QUEUED);
+    entry.job.set_state(PARTITIONING);
     entry.job.set_created_unix_ms(NowMs());
     entry.job.set_model_bytes(upload->model_bytes());
-    for (int64_t b : prepared->stage_file_bytes) entry.job.add_stage_file_bytes(b);
     entry.ranks = prepared->ranks;
     entry.stage_to_rank = prepared->stage_to_rank;
     entry.share_bytes = prepared->share_bytes;
+    entry.stages = prepared->stages;
     Touch(entry);
     jobs_[id] = std::move(entry);
-    queue_.push_back(id);
-    log::Info("job={} queued: {} stages on {} workers, schedule {}", id, prepared->plan.stages_size(),
+    log::Info("job={} accepted: {} stages on {} workers, schedule {}", id, prepared->plan.stages_size(),
               prepared->ranks, job::ScheduleName(prepared->spec.schedule().kind()));
-    Schedule();
   }
-  Deliver(&out);
+  prepared->stages.reset();  // the job entry holds them until they are out
+  tasks_.Run([this, id] { StageOut(id); });
   return id;
+}
+
+void Coordinator::StageOut(const std::string& job_id) {
+  std::shared_ptr<const PreparedStages> stages;
+  std::vector<RankSend> sends;
+  {
+    absl::MutexLock lock(&mu_);
+    JobEntry& e = jobs_[job_id];
+    stages = std::move(e.stages);
+    if (!Terminal(e.job.state())) {
+      std::vector<std::string> idle = IdleWorkers();
+      // Straight from memory when the job can run now and no earlier job waits for
+      // these workers; else to files and the queue.
+      if (static_cast<int>(idle.size()) >= e.ranks && queue_.empty()) {
+        idle.resize(e.ranks);
+        sends = Place(e, idle);
+      }
+    }
+  }
+  if (!sends.empty()) {
+    // Every rank at once, each stage serialised as it is sent.
+    const auto start = absl::Now();
+    std::vector<std::map<int, int64_t>> bytes(sends.size());
+    std::vector<std::thread> threads;
+    StageWriter from_memory = [&stages](int stage, const std::function<absl::Status(absl::string_view)>& sink) {
+      return stages->Write(stage, sink);
+    };
+    for (size_t r = 0; r < sends.size(); ++r) {
+      threads.emplace_back([&, r] { SendRank(sends[r], from_memory, &bytes[r]); });
+    }
+    for (std::thread& t : threads) t.join();
+    absl::MutexLock lock(&mu_);
+    JobEntry& e = jobs_[job_id];
+    std::vector<int64_t> sizes(e.stage_to_rank.size(), 0);
+    for (const auto& per_rank : bytes) {
+      for (const auto& [s, n] : per_rank) sizes[s] = n;
+    }
+    e.job.clear_stage_file_bytes();
+    for (int64_t n : sizes) e.job.add_stage_file_bytes(n);
+    Touch(e);
+    log::Info("job={} stages streamed to {} workers from memory in {}", job_id, sends.size(),
+              absl::FormatDuration(absl::Now() - start));
+  } else if (stages != nullptr) {
+    const auto start = absl::Now();
+    absl::StatusOr<std::vector<int64_t>> sizes = stages->WriteFiles(artifacts_->JobDir(job_id));
+    Outbox out;
+    {
+      absl::MutexLock lock(&mu_);
+      JobEntry& e = jobs_[job_id];
+      if (Terminal(e.job.state())) {
+        // Cancelled meanwhile: nothing to queue (Finish removed the files).
+      } else if (!sizes.ok()) {
+        Finish(e, FAILED, absl::StrCat("writing the stage files: ", sizes.status().message()), &out);
+      } else {
+        e.job.clear_stage_file_bytes();
+        for (int64_t n : *sizes) e.job.add_stage_file_bytes(n);
+        e.job.set_state(QUEUED);
+        queue_.push_back(job_id);
+        log::Info("job={} queued; {} stage files written in {}", job_id, sizes->size(),
+                  absl::FormatDuration(absl::Now() - start));
+        Touch(e);
+        Schedule();
+      }
+    }
+    Deliver(&out);
+  }
+  stages.reset();
+  ReleaseModelSlot();
+}
+
+std::vector<std::string> Coordinator::IdleWorkers() {
+  std::vector<std::string> idle;
+  for (const auto& [id, w] : workers_) {
+    if (w.info.state() == IDLE) idle.push_back(id);
+  }
+  return idle;
 }
 
 absl::StatusOr<Job> Coordinator::GetJob(const std::string& job_id) {
@@ -273,27 +370,39 @@ void Coordinator::Finish(JobEntry& e, JobState state, const std::string& reason,
 void Coordinator::Schedule() {
   for (auto it = queue_.begin(); it != queue_.end();) {
     JobEntry& e = jobs_[*it];
-    std::vector<std::string> idle;
-    for (const auto& [id, w] : workers_) {
-      if (w.info.state() == IDLE) idle.push_back(id);
-    }
+    std::vector<std::string> idle = IdleWorkers();
     if (static_cast<int>(idle.size()) < e.ranks) {
       ++it;  // later jobs that fit may go first on the remaining workers
       continue;
     }
     idle.resize(e.ranks);
+    const std::string job_id = *it;
     it = queue_.erase(it);
-    e.job.set_state(PARTITIONING);  // the plan was made at submission; nothing else to do here
-    Touch(e);
-    Place(e, idle);
+    std::vector<RankSend> sends = Place(e, idle);
+    StageWriter from_files = [this, job_id](int stage, const std::function<absl::Status(absl::string_view)>& sink) {
+      absl::Status sink_error;
+      absl::Status s = ArtifactStore::StreamFile(artifacts_->StagePath(job_id, stage), options_.chunk_bytes,
+                                                 [&](absl::string_view piece) {
+                                                   sink_error = sink(piece);
+                                                   return sink_error.ok();
+                                                 });
+      return sink_error.ok() ? s : sink_error;
+    };
+    for (RankSend& send : sends) {
+      tasks_.Run([this, send = std::move(send), from_files] {
+        std::map<int, int64_t> ignored;
+        SendRank(send, from_files, &ignored);
+      });
+    }
   }
 }
 
-void Coordinator::Place(JobEntry& e, const std::vector<std::string>& workers) {
+std::vector<Coordinator::RankSend> Coordinator::Place(JobEntry& e, const std::vector<std::string>& workers) {
   const std::string& job_id = e.job.job_id();
   e.job.set_state(PLACING);
   e.job.clear_workers();
   absl::StatusOr<schedule::Schedule> sched = job::ScheduleFor(e.job.spec(), e.job.plan());
+  std::vector<RankSend> sends;
   for (size_t r = 0; r < workers.size(); ++r) {
     const int rank = static_cast<int>(r);
     WorkerEntry& w = workers_[workers[r]];
@@ -304,77 +413,93 @@ void Coordinator::Place(JobEntry& e, const std::vector<std::string>& workers) {
     w.info.set_bytes_received(0);
     w.info.set_loaded_param_bytes(0);
     e.job.add_workers(workers[r]);
-    CoordinatorMessage a;
-    Assignment* as = a.mutable_assignment();
+    RankSend send;
+    send.channel = w.channel;
+    send.share_file = artifacts_->SharePath(job_id, rank);
+    send.stop = e.stop;
+    Assignment* as = send.assignment.mutable_assignment();
     as->set_job_id(job_id);
     *as->mutable_spec() = e.job.spec();
     as->set_rank(rank);
     as->set_world_size(static_cast<int>(workers.size()));
     // The schedule was made and validated at submission; it cannot fail here.
     *as->mutable_plan() = sched.ok() ? job::PlanSliceFor(e.job.plan(), *sched, rank) : e.job.plan();
-    std::vector<std::pair<int, std::string>> files;
     for (size_t s = 0; s < e.stage_to_rank.size(); ++s) {
       if (e.stage_to_rank[s] != rank) continue;
       Assignment::StageFile* f = as->add_stages();
       f->set_stage(static_cast<int>(s));
-      f->set_bytes(e.job.stage_file_bytes(static_cast<int>(s)));
+      // Known when the stage came from a file; else the worker learns it as it comes.
+      if (static_cast<int>(s) < e.job.stage_file_bytes_size()) f->set_bytes(e.job.stage_file_bytes(static_cast<int>(s)));
       w.info.add_stages(static_cast<int>(s));
-      files.emplace_back(static_cast<int>(s), artifacts_->StagePath(job_id, static_cast<int>(s)));
+      send.stages.push_back(static_cast<int>(s));
     }
     as->set_data_bytes(e.share_bytes[r]);
-    tasks_.Run([this, channel = w.channel, a = std::move(a), files = std::move(files),
-                share = artifacts_->SharePath(job_id, rank), stop = e.stop]() mutable {
-      SendAssignment(std::move(channel), std::move(a), std::move(files), std::move(share), std::move(stop));
-    });
+    sends.push_back(std::move(send));
   }
   log::Info("job={} placing on {}", job_id, absl::StrJoin(workers, ", "));
   Touch(e);
+  return sends;
 }
 
-void Coordinator::SendAssignment(std::shared_ptr<WorkerChannel> channel, CoordinatorMessage assignment,
-                                 std::vector<std::pair<int, std::string>> stage_files, std::string share_file,
-                                 std::shared_ptr<std::atomic<bool>> stop) {
-  const std::string job_id = assignment.assignment().job_id();
-  const int rank = assignment.assignment().rank();
-  if (!channel->Send(assignment)) return;  // the worker is gone; RemoveWorker fails the job
+void Coordinator::SendRank(const RankSend& send, const StageWriter& writer, std::map<int, int64_t>* stage_bytes) {
+  const std::string& job_id = send.assignment.assignment().job_id();
+  const int rank = send.assignment.assignment().rank();
+  if (!send.channel->Send(send.assignment)) return;  // the worker is gone; RemoveWorker fails the job
   const auto start = absl::Now();
   int64_t sent = 0;
-  for (const auto& [stage, path] : stage_files) {
-    const int64_t size = ArtifactStore::FileSize(path);
-    int64_t offset = 0;
-    absl::Status s = ArtifactStore::StreamFile(path, options_.chunk_bytes, [&](absl::string_view piece) {
-      if (stop->load()) return false;
-      offset += static_cast<int64_t>(piece.size());
+  const absl::Status gone = absl::UnavailableError("the worker's stream closed");
+  const absl::Status stopped = absl::CancelledError("the job ended");
+  for (int stage : send.stages) {
+    // Chunks of options_.chunk_bytes; the last one (possibly short) says so.
+    std::string pending;
+    auto flush = [&](bool last) -> absl::Status {
+      if (send.stop->load()) return stopped;
       CoordinatorMessage m;
       StageChunk* c = m.mutable_stage();
       c->set_job_id(job_id);
       c->set_stage(stage);
-      c->set_chunk(piece.data(), piece.size());
-      c->set_last_chunk(offset == size);
-      return channel->Send(m);
+      c->set_chunk(std::move(pending));
+      c->set_last_chunk(last);
+      pending.clear();
+      return send.channel->Send(m) ? absl::OkStatus() : gone;
+    };
+    int64_t bytes = 0;
+    absl::Status s = writer(stage, [&](absl::string_view piece) -> absl::Status {
+      bytes += static_cast<int64_t>(piece.size());
+      while (!piece.empty()) {
+        const size_t take = std::min(piece.size(), options_.chunk_bytes - pending.size());
+        pending.append(piece.data(), take);
+        piece.remove_prefix(take);
+        if (pending.size() == options_.chunk_bytes) PIPPY_RETURN_IF_ERROR(flush(false));
+      }
+      return absl::OkStatus();
     });
+    if (s.ok()) s = flush(true);
     if (!s.ok()) {
-      if (!absl::IsCancelled(s)) log::Error("job={} rank={} cannot send stage {}: {}", job_id, rank, stage, s.message());
+      if (!absl::IsCancelled(s) && !absl::IsUnavailable(s)) {
+        log::Error("job={} rank={} cannot send stage {}: {}", job_id, rank, stage, s.message());
+      }
       return;
     }
-    sent += size;
+    (*stage_bytes)[stage] = bytes;
+    sent += bytes;
   }
-  const int64_t share_size = std::max<int64_t>(ArtifactStore::FileSize(share_file), 0);
+  const int64_t share_size = std::max<int64_t>(ArtifactStore::FileSize(send.share_file), 0);
   int64_t offset = 0;
   auto send_data = [&](absl::string_view piece) {
-    if (stop->load()) return false;
+    if (send.stop->load()) return false;
     offset += static_cast<int64_t>(piece.size());
     CoordinatorMessage m;
     DataChunk* c = m.mutable_data();
     c->set_job_id(job_id);
     c->set_chunk(piece.data(), piece.size());
     c->set_last_chunk(offset == share_size);
-    return channel->Send(m);
+    return send.channel->Send(m);
   };
   if (share_size == 0) {
     send_data("");
   } else {
-    absl::Status s = ArtifactStore::StreamFile(share_file, options_.chunk_bytes, send_data);
+    absl::Status s = ArtifactStore::StreamFile(send.share_file, options_.chunk_bytes, send_data);
     if (!s.ok()) {
       if (!absl::IsCancelled(s)) log::Error("job={} rank={} cannot send its data: {}", job_id, rank, s.message());
       return;
@@ -494,8 +619,11 @@ void Coordinator::Assemble(const std::string& job_id, bool inference, int stages
   } else {
     std::map<int, std::string> results;
     for (int st = 0; st < stages; ++st) results[st] = artifacts_->ResultPath(job_id, st);
-    absl::MutexLock one_model(&model_mu_);
-    s = partition::MergeStagesIntoModel(artifacts_->ModelPath(job_id), results, assembled);
+    s = AcquireModelSlot();
+    if (s.ok()) {
+      s = partition::MergeStagesIntoModel(artifacts_->ModelPath(job_id), results, assembled);
+      ReleaseModelSlot();
+    }
   }
   Outbox out;
   {

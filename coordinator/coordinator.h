@@ -2,17 +2,22 @@
 //
 // Jobs: QUEUED -> PARTITIONING -> PLACING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED,
 // the reason for a failure kept on the job. A submission is prepared once, when it
-// arrives (job_preparation.h): the model is split, each stage written to its own file
-// and each rank's share of the data cut, all under the state directory; an invalid
-// submission is refused then, with INVALID_ARGUMENT naming the field. A job waits in
-// the queue until enough idle workers are registered; several jobs run at once on
-// disjoint workers. Placing a job streams to each worker, in parallel, only its
-// stages' files and its share of the data. When every rank has finished, the trained
-// stages (sent back in chunks, written to disk as they come) are put back into the
-// submitted model, which FetchModel then serves from a file.
+// arrives (job_preparation.h): the model is loaded, checked against the data and
+// split, and each rank's share of the data is cut; an invalid submission is refused
+// then, with INVALID_ARGUMENT naming the field, and SubmitJob returns. The job is then
+// PARTITIONING while its stages, still in memory, go out: if enough workers are idle
+// they are streamed straight to them (PLACING), each worker receiving only its own
+// stages and its share of the data, all in parallel; otherwise they are written to
+// stage files and the job waits in the queue (QUEUED) until enough idle workers are
+// registered, then streams from those files. Several jobs run at once on disjoint
+// workers. When every rank has finished, the trained stages (sent back in chunks,
+// written to disk as they come) are put back into the submitted model, which
+// FetchModel then serves from a file.
 //
-// Memory: at most one model is loaded at a time (preparing a submission or assembling
-// a result), plus the largest stage of a result being assembled. Files move in chunks.
+// Memory: at most one model is held at a time (preparing a submission and sending or
+// writing its stages, or assembling a result), plus the largest stage of a result
+// being assembled; a second submission waits for the first to let go. Files move in
+// chunks.
 //
 // Job records persist in SQLite (JobStore); after a restart, jobs that were not
 // finished are FAILED with that reason.
@@ -30,6 +35,7 @@
 #define PIPPY_COORDINATOR_COORDINATOR_H_
 
 #include <atomic>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -41,6 +47,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "coordinator/artifact_store.h"
+#include "coordinator/job_preparation.h"
 #include "coordinator/job_store.h"
 #include "coordinator/task_runner.h"
 #include "proto/coordinator.pb.h"
@@ -104,6 +111,8 @@ class Coordinator {
     std::map<int, std::vector<StepReport>> reports;   // step -> reports
     std::set<int> finished;                           // ranks that finished ok
     bool assembling = false;                          // the result is being assembled
+    // PARTITIONING: the split stages, in memory, until they are sent or written out.
+    std::shared_ptr<const PreparedStages> stages;
     // Set when the job ends: its file senders stop.
     std::shared_ptr<std::atomic<bool>> stop = std::make_shared<std::atomic<bool>>(false);
   };
@@ -114,15 +123,36 @@ class Coordinator {
   };
   using Outbox = std::vector<std::pair<std::shared_ptr<WorkerChannel>, CoordinatorMessage>>;
 
+  // What placing sends one rank: its assignment, then its stages and data share.
+  struct RankSend {
+    std::shared_ptr<WorkerChannel> channel;
+    CoordinatorMessage assignment;
+    std::vector<int> stages;
+    std::string share_file;
+    std::shared_ptr<std::atomic<bool>> stop;
+  };
+  // Writes a stage's TorchScript through a sink: from memory or from its file.
+  using StageWriter =
+      std::function<absl::Status(int stage, const std::function<absl::Status(absl::string_view)>& sink)>;
+
   explicit Coordinator(const Options& options) : options_(options) {}
   void Loop();
-  // Places queued jobs on idle workers (their files stream from task threads).
+  // At most one model in memory: preparing, sending or writing stages and assembling
+  // take the one slot. Errors: UNAVAILABLE when the coordinator is stopping.
+  absl::Status AcquireModelSlot();
+  void ReleaseModelSlot();
+  // A prepared job's stages go out: to idle workers straight from memory, or to stage
+  // files and the queue. Runs on a task thread; releases the model slot.
+  void StageOut(const std::string& job_id);
+  std::vector<std::string> IdleWorkers() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Places queued jobs (whose stages are in files) on idle workers.
   void Schedule() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Place(JobEntry& entry, const std::vector<std::string>& workers) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Streams rank `rank`'s assignment, stage files and data share to its worker.
-  void SendAssignment(std::shared_ptr<WorkerChannel> channel, CoordinatorMessage assignment,
-                      std::vector<std::pair<int, std::string>> stage_files, std::string share_file,
-                      std::shared_ptr<std::atomic<bool>> stop);
+  // Assigns the job's ranks to `workers` and returns what each must be sent.
+  std::vector<RankSend> Place(JobEntry& entry, const std::vector<std::string>& workers)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sends one rank its assignment, stages (through `writer`) and data share; counts
+  // each stage's bytes into `stage_bytes`.
+  void SendRank(const RankSend& send, const StageWriter& writer, std::map<int, int64_t>* stage_bytes);
   void Finish(JobEntry& entry, JobState state, const std::string& reason, Outbox* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Touch(JobEntry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -135,11 +165,9 @@ class Coordinator {
   const Options options_;
   std::unique_ptr<JobStore> store_;
   std::unique_ptr<ArtifactStore> artifacts_;
-  // Serialises the work that loads a whole model (preparing, assembling): the
-  // coordinator holds at most one model in memory.
-  absl::Mutex model_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool model_in_memory_ ABSL_GUARDED_BY(mu_) = false;  // the model slot is taken
   int64_t next_job_ ABSL_GUARDED_BY(mu_) = 1;
   int64_t next_worker_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<std::string, JobEntry> jobs_ ABSL_GUARDED_BY(mu_);

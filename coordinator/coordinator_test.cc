@@ -155,6 +155,20 @@ class CoordinatorTest : public ::testing::Test {
     return coordinator_->SubmitJob(spec, std::move(*upload));
   }
 
+  // Waits (at most 60 s) until `done(job)` holds; returns the job as last seen.
+  Job WaitForJob(const std::string& job_id, const std::function<bool(const Job&)>& done) {
+    int64_t version = -1;
+    const absl::Time deadline = absl::Now() + absl::Seconds(60);
+    Job job;
+    while (absl::Now() < deadline) {
+      auto j = coordinator_->WaitForChange(job_id, &version, absl::Seconds(1));
+      if (!j.ok()) break;
+      job = *j;
+      if (done(job)) break;
+    }
+    return job;
+  }
+
   Job WaitForState(const std::string& job_id, JobState state) {
     int64_t version = -1;
     const absl::Time deadline = absl::Now() + absl::Seconds(60);
@@ -218,13 +232,17 @@ TEST_F(CoordinatorTest, ThreeStageJob_EachWorkerIsSentOnlyItsStageAndItsShareOfT
   const std::string data = Slurp(kZoo + "mlp.data.pt");
   auto id = Submit(MlpSpec(3), model, data);
   ASSERT_TRUE(id.ok()) << id.status();
-  auto job = coordinator_->GetJob(*id);
-  ASSERT_TRUE(job.ok());
-  ASSERT_EQ(job->plan().stages_size(), 3);
-  ASSERT_EQ(job->stage_file_bytes_size(), 3);
+  std::vector<Received> received;
+  for (int r = 0; r < 3; ++r) received.push_back(Collect(workers[r]->WaitFor(AssignmentArrived)));
+  // The workers were idle: the stages went straight from memory, and their sizes are
+  // on the job once sent.
+  auto job = WaitForJob(*id, [](const Job& j) { return j.stage_file_bytes_size() == 3; });
+  ASSERT_EQ(job.plan().stages_size(), 3);
+  ASSERT_EQ(job.stage_file_bytes_size(), 3);
+  EXPECT_FALSE(std::filesystem::exists(absl::StrCat(state_, "/jobs/", *id, "/stage_0.pt")));
   int64_t total = 0;
   for (int r = 0; r < 3; ++r) {
-    Received got = Collect(workers[r]->WaitFor(AssignmentArrived));
+    const Received& got = received[r];
     ASSERT_TRUE(got.complete) << "worker " << r;
     const Assignment& a = got.assignment;
     // Only its own stage (1F1B: stage r on rank r), whole, in several chunks.
@@ -232,15 +250,14 @@ TEST_F(CoordinatorTest, ThreeStageJob_EachWorkerIsSentOnlyItsStageAndItsShareOfT
     const int stage = got.stages.begin()->first;
     EXPECT_EQ(stage, a.rank());
     const std::string& bytes = got.stages.begin()->second;
-    EXPECT_EQ(static_cast<int64_t>(bytes.size()), job->stage_file_bytes(stage));
+    EXPECT_EQ(static_cast<int64_t>(bytes.size()), job.stage_file_bytes(stage));
     EXPECT_GT(got.stage_chunks, 1);
-    EXPECT_EQ(bytes, Slurp(absl::StrCat(state_, "/jobs/", *id, "/stage_", stage, ".pt")));
     // The bytes are a loadable stage module holding exactly the plan's parameters.
     auto module = partition::LoadModelFromBytes(bytes, "stage");
     ASSERT_TRUE(module.ok()) << module.status();
     std::set<std::string> names;
     for (const auto& p : module->named_parameters(true)) names.insert(p.name);
-    for (const ParameterInfo& pi : job->plan().stages(stage).parameters()) {
+    for (const ParameterInfo& pi : job.plan().stages(stage).parameters()) {
       if (!pi.is_buffer()) EXPECT_TRUE(names.count(pi.name())) << pi.name();
     }
     // Its slice of the plan: other stages' parameter lists are left out.
@@ -257,13 +274,36 @@ TEST_F(CoordinatorTest, ThreeStageJob_EachWorkerIsSentOnlyItsStageAndItsShareOfT
       EXPECT_EQ(share.at("inputs").toGenericDict().size(), a.rank() == 0 ? 1u : 0u);
     }
     EXPECT_LE(static_cast<double>(bytes.size() + got.data.size()),
-              1.1 * static_cast<double>(job->stage_file_bytes(stage) + a.data_bytes()));
+              1.1 * static_cast<double>(job.stage_file_bytes(stage) + a.data_bytes()));
     total += static_cast<int64_t>(bytes.size());
   }
   // Together the workers received about one model, not one each.
   EXPECT_LT(static_cast<double>(total), 1.5 * static_cast<double>(model.size()));
   std::cout << "[ figure   ] model " << model.size() << " bytes; 3 workers received " << total
             << " bytes of stages in all\n";
+}
+
+TEST_F(CoordinatorTest, NoIdleWorkers_StagesGoToFiles_AndStreamFromThemOnceWorkersCome) {
+  Start("queued", /*chunk_bytes=*/4096);
+  auto id = Submit(MlpSpec(2), Slurp(kZoo + "mlp.pt"), Slurp(kZoo + "mlp.data.pt"));
+  ASSERT_TRUE(id.ok()) << id.status();
+  Job queued = WaitForState(*id, QUEUED);
+  ASSERT_EQ(queued.state(), QUEUED);
+  ASSERT_EQ(queued.stage_file_bytes_size(), 2);
+  for (int s = 0; s < 2; ++s) {
+    EXPECT_EQ(std::filesystem::file_size(absl::StrCat(state_, "/jobs/", *id, "/stage_", s, ".pt")),
+              static_cast<uintmax_t>(queued.stage_file_bytes(s)));
+  }
+  auto workers = AddWorkers(2);
+  for (int r = 0; r < 2; ++r) {
+    Received got = Collect(workers[r]->WaitFor(AssignmentArrived));
+    ASSERT_TRUE(got.complete);
+    ASSERT_EQ(got.stages.size(), 1u);
+    const int stage = got.stages.begin()->first;
+    EXPECT_EQ(got.assignment.stages(0).bytes(), queued.stage_file_bytes(stage));
+    EXPECT_EQ(got.stages.begin()->second, Slurp(absl::StrCat(state_, "/jobs/", *id, "/stage_", stage, ".pt")));
+  }
+  EXPECT_EQ(coordinator_->GetJob(*id)->state(), PLACING);
 }
 
 TEST_F(CoordinatorTest, WholeJob_RunsToSucceeded_AndServesTheAssembledModel) {

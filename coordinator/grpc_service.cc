@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/log.h"
 #include "coordinator/artifact_store.h"
 
 namespace pippy::coordinator {
@@ -57,6 +58,7 @@ grpc::Status CoordinatorGrpc::SubmitJob(grpc::ServerContext*, grpc::ServerReader
   }
   JobSpec spec = req.spec();
   // The chunks go to disk as they arrive: no copy of the model is held here.
+  const absl::Time start = absl::Now();
   auto upload = logic_->NewUpload();
   if (!upload.ok()) return ToGrpc(upload.status());
   bool data_started = false;
@@ -75,6 +77,8 @@ grpc::Status CoordinatorGrpc::SubmitJob(grpc::ServerContext*, grpc::ServerReader
     }
     if (!s.ok()) return ToGrpc(s);
   }
+  log::Info("received a submission: model {} bytes, data {} bytes in {}", (*upload)->model_bytes(),
+            (*upload)->data_bytes(), absl::FormatDuration(absl::Now() - start));
   auto id = logic_->SubmitJob(spec, std::move(*upload));
   if (!id.ok()) return ToGrpc(id.status());
   response->set_job_id(*id);

@@ -1,9 +1,13 @@
 #include "coordinator/job_preparation.h"
 
+#include <algorithm>
+#include <atomic>
 #include <filesystem>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/log.h"
 #include "common/status.h"
 #include "common/torch_status.h"
 #include "coordinator/artifact_store.h"
@@ -52,6 +56,40 @@ absl::StatusOr<std::string> DataBytes(const JobSpec& spec, const std::string& di
   return stage::MakeSyntheticData(synthetic);
 }
 
+class StagesInMemory : public PreparedStages {
+ public:
+  explicit StagesInMemory(std::vector<torch::jit::Module> stages) : stages_(std::move(stages)) {}
+  int size() const override { return static_cast<int>(stages_.size()); }
+
+  absl::Status Write(int stage, const std::function<absl::Status(absl::string_view)>& sink) const override {
+    return partition::WriteModule(stages_.at(static_cast<size_t>(stage)), sink);
+  }
+
+  absl::StatusOr<std::vector<int64_t>> WriteFiles(const std::string& dir) const override {
+    // Serialising a stage is memory-bound: a few at a time, not one per stage.
+    const size_t parallel = std::max(1u, std::min(4u, std::thread::hardware_concurrency()));
+    std::vector<int64_t> sizes(stages_.size(), 0);
+    std::vector<absl::Status> results(stages_.size());
+    std::atomic<size_t> next{0};
+    std::vector<std::thread> threads;
+    for (size_t t = 0; t < std::min(parallel, stages_.size()); ++t) {
+      threads.emplace_back([&] {
+        for (size_t s = next++; s < stages_.size(); s = next++) {
+          const std::string path = absl::StrCat(dir, "/", ArtifactStore::StageFileName(static_cast<int>(s)));
+          results[s] = partition::SaveModule(stages_[s], path);
+          sizes[s] = ArtifactStore::FileSize(path);
+        }
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    for (const absl::Status& s : results) PIPPY_RETURN_IF_ERROR(s);
+    return sizes;
+  }
+
+ private:
+  const std::vector<torch::jit::Module> stages_;
+};
+
 }  // namespace
 
 absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::string& dir) {
@@ -62,6 +100,7 @@ absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::stri
   const bool train = spec.mode() == MODE_TRAIN;
   torch::jit::setGraphExecutorOptimize(false);
 
+  const absl::Time start = absl::Now();
   const std::string model_path = dir + "/model.pt";
   if (ArtifactStore::FileSize(model_path) <= 0) return Bad("model", "empty: send the TorchScript file's bytes");
   absl::StatusOr<torch::jit::Module> loaded = partition::LoadModel(model_path);
@@ -73,6 +112,7 @@ absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::stri
     return Bad("model", msg);
   }
   torch::jit::Module& model = *loaded;
+  const absl::Time loaded_at = absl::Now();
 
   // The data, and its first micro-batch as the example that checks it fits.
   PIPPY_ASSIGN_OR_RETURN(std::string data_bytes, DataBytes(spec, dir));
@@ -99,6 +139,7 @@ absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::stri
     if (!loss.ok()) return Field("data: the targets do not fit the model's output", loss.status());
   }
 
+  const absl::Time checked_at = absl::Now();
   // Split once; the stages share the model's tensors (they are only written out).
   partition::SplitOptions so;
   so.num_stages = spec.split().stages();
@@ -113,12 +154,9 @@ absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::stri
   PIPPY_ASSIGN_OR_RETURN(out.ranks, job::RanksFor(spec, out.plan));
   PIPPY_ASSIGN_OR_RETURN(schedule::Schedule sched, job::ScheduleFor(spec, out.plan));
   out.stage_to_rank = sched.stage_to_rank;
+  const absl::Time split_at = absl::Now();
 
-  for (size_t s = 0; s < pipe->stages.size(); ++s) {
-    const std::string path = absl::StrCat(dir, "/", ArtifactStore::StageFileName(static_cast<int>(s)));
-    PIPPY_RETURN_IF_ERROR(partition::SaveModule(pipe->stages[s], path));
-    out.stage_file_bytes.push_back(ArtifactStore::FileSize(path));
-  }
+  out.stages = std::make_shared<StagesInMemory>(std::move(pipe->stages));
   for (int r = 0; r < out.ranks; ++r) {
     job::DataNeeds needs = job::DataNeedsOf(spec, out.plan, sched, r);
     PIPPY_ASSIGN_OR_RETURN(std::string share, data.ShareBytes(needs.inputs, needs.targets));
@@ -129,6 +167,12 @@ absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::stri
     if (!f) return absl::UnavailableError(absl::StrCat("cannot write '", path, "'"));
     out.share_bytes.push_back(static_cast<int64_t>(share.size()));
   }
+  log::Info("prepared a submission in {}: model loaded in {}, data checked in {}, split into {} stages in {}, {} "
+            "data shares written in {}",
+            absl::FormatDuration(absl::Now() - start), absl::FormatDuration(loaded_at - start),
+            absl::FormatDuration(checked_at - loaded_at), out.plan.stages_size(),
+            absl::FormatDuration(split_at - checked_at), out.share_bytes.size(),
+            absl::FormatDuration(absl::Now() - split_at));
   return out;
 }
 
