@@ -306,10 +306,13 @@ TEST_F(CoordinatorTest, NoIdleWorkers_StagesGoToFiles_AndStreamFromThemOnceWorke
   EXPECT_EQ(coordinator_->GetJob(*id)->state(), PLACING);
 }
 
+// The GPT of the zoo: tied weights, a loss() method, types its stages share with it.
 TEST_F(CoordinatorTest, WholeJob_RunsToSucceeded_AndServesTheAssembledModel) {
   Start("whole_job");
   auto workers = AddWorkers(2);
-  auto id = Submit(MlpSpec(2), Slurp(kZoo + "mlp.pt"), Slurp(kZoo + "mlp.data.pt"));
+  JobSpec spec = MlpSpec(2);
+  spec.set_loss(LOSS_MODEL);
+  auto id = Submit(spec, Slurp(kZoo + "gpt.pt"), Slurp(kZoo + "gpt.data.pt"));
   ASSERT_TRUE(id.ok()) << id.status();
   std::vector<Received> got;
   for (int r = 0; r < 2; ++r) got.push_back(Collect(workers[r]->WaitFor(AssignmentArrived)));
@@ -335,7 +338,7 @@ TEST_F(CoordinatorTest, WholeJob_RunsToSucceeded_AndServesTheAssembledModel) {
   ASSERT_TRUE(path.ok()) << path.status();
   // The assembled model has the original structure and (untrained here) its parameters.
   auto merged = partition::LoadModel(*path);
-  auto original = partition::LoadModel(kZoo + "mlp.pt");
+  auto original = partition::LoadModel(kZoo + "gpt.pt");
   ASSERT_TRUE(merged.ok() && original.ok());
   auto a = original->named_parameters(true);
   auto b = merged->named_parameters(true);

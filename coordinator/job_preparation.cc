@@ -58,7 +58,10 @@ absl::StatusOr<std::string> DataBytes(const JobSpec& spec, const std::string& di
 
 class StagesInMemory : public PreparedStages {
  public:
-  explicit StagesInMemory(std::vector<torch::jit::Module> stages) : stages_(std::move(stages)) {}
+  // The model is kept with its stages: their graphs use types (named tuples, classes)
+  // that live in the model's compilation unit. Its tensors are the stages' anyway.
+  StagesInMemory(torch::jit::Module model, std::vector<torch::jit::Module> stages)
+      : model_(std::move(model)), stages_(std::move(stages)) {}
   int size() const override { return static_cast<int>(stages_.size()); }
 
   absl::Status Write(int stage, const std::function<absl::Status(absl::string_view)>& sink) const override {
@@ -87,6 +90,7 @@ class StagesInMemory : public PreparedStages {
   }
 
  private:
+  const torch::jit::Module model_;
   const std::vector<torch::jit::Module> stages_;
 };
 
@@ -156,7 +160,7 @@ absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::stri
   out.stage_to_rank = sched.stage_to_rank;
   const absl::Time split_at = absl::Now();
 
-  out.stages = std::make_shared<StagesInMemory>(std::move(pipe->stages));
+  out.stages = std::make_shared<StagesInMemory>(model, std::move(pipe->stages));
   for (int r = 0; r < out.ranks; ++r) {
     job::DataNeeds needs = job::DataNeedsOf(spec, out.plan, sched, r);
     PIPPY_ASSIGN_OR_RETURN(std::string share, data.ShareBytes(needs.inputs, needs.targets));

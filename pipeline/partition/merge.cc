@@ -36,7 +36,9 @@ absl::Status CopyInto(torch::jit::Module& model, const std::string& name, const 
 absl::Status MergeStagesIntoModel(const std::string& model_path, const std::map<int, std::string>& stage_paths,
                                   const std::string& out_path) {
   PIPPY_ASSIGN_OR_RETURN(torch::jit::Module model, LoadModel(model_path));
-  for (const auto& [index, path] : stage_paths) {
+  for (const auto& entry : stage_paths) {
+    const int index = entry.first;
+    const std::string& path = entry.second;
     // One stage at a time: it is released before the next is loaded.
     PIPPY_ASSIGN_OR_RETURN(torch::jit::Module stage, LoadModel(path));
     PIPPY_RETURN_IF_ERROR(TorchCall(absl::StrCat("merging trained stage ", index), [&]() -> absl::Status {

@@ -486,98 +486,86 @@ absl::Status RankRuntime::SendBackward(StepState& st, int s, int mb) {
 }
 
 absl::Status RankRuntime::RecvBackward(StepState& st, int s, int mb, const std::string& where) {
-  std::vector<std::pair<int, std::shared_ptr<transport::Work>>> works;
+  struct Pending {
+    int output;
+    int peer;
+    std::shared_ptr<transport::Work> work;
+  };
+  std::vector<Pending> works;
   for (size_t j = 0; j < consumers_[s].size(); ++j) {
     for (const auto& [c, k] : consumers_[s][j]) {
       int peer = schedule_.stage_to_rank[c];
       if (peer == rank_) continue;
       Tag tag = MakeTag(Tag::Kind::kGradient, st.step, mb, c, s, static_cast<int>(j));
-      works.emplace_back(static_cast<int>(j), transport_->Recv(peer, tag));
+      works.push_back({static_cast<int>(j), peer, transport_->Recv(peer, tag)});
     }
   }
   auto& inbox = st.bwd_inbox[{s, mb}];
   inbox.resize(consumers_[s].size());
-  for (auto& [j, work] : works) {
+  auto saved = st.saved.find({s, mb});
+  for (auto& [j, peer, work] : works) {
     PIPPY_RETURN_IF_ERROR(WaitFor(work, where));
-    c10::IValue v = work->Value();
-    if (!v.isTensor()) continue;
+    const c10::IValue v = work->Value();
+    if (v.isNone()) continue;  // that consumer needed no gradient
+    // A gradient must be a tensor shaped like the output it is for: anything else
+    // from a peer is a malformed message, reported, never thrown.
+    if (!v.isTensor()) {
+      return absl::DataLossError(absl::StrCat(where, ": rank ", peer, " sent a ", v.tagKind(),
+                                              " where a gradient tensor was expected"));
+    }
+    const at::Tensor& g = v.toTensor();
+    if (saved != st.saved.end() && static_cast<size_t>(j) < saved->second.outputs.size() &&
+        saved->second.outputs[j].isTensor() && saved->second.outputs[j].toTensor().sizes() != g.sizes()) {
+      return absl::DataLossError(absl::StrCat(where, ": rank ", peer, " sent a gradient of shape ",
+                                              c10::str(g.sizes()), " for an output of shape ",
+                                              c10::str(saved->second.outputs[j].toTensor().sizes())));
+    }
     at::Tensor& slot = inbox[j];
-    slot = slot.defined() ? slot + v.toTensor() : v.toTensor();
+    PIPPY_RETURN_IF_ERROR(TorchCall(where, [&] { slot = slot.defined() ? slot + g : g; }));
   }
   return absl::OkStatus();
 }
 
+CollectiveContext RankRuntime::Collectives(int step) {
+  CollectiveContext ctx;
+  ctx.rank = rank_;
+  ctx.num_ranks = schedule_.num_ranks;
+  ctx.step = step;
+  ctx.transport = transport_;
+  ctx.wait = [this](const std::shared_ptr<transport::Work>& w, const std::string& where) { return WaitFor(w, where); };
+  return ctx;
+}
+
 absl::Status RankRuntime::SyncTiedGradients(StepState& st) {
-  const int step = st.step;
+  const CollectiveContext ctx = Collectives(st.step);
   for (int g = 0; g < plan_.tied_size(); ++g) {
     const TiedParameter& tp = plan_.tied(g);
-    std::vector<int> holders(tp.stages().begin(), tp.stages().end());
-    std::sort(holders.begin(), holders.end());
-    std::map<int, std::vector<int>> stages_of_rank;  // rank -> its holder stages
-    for (int s : holders) stages_of_rank[schedule_.stage_to_rank[s]].push_back(s);
-    if (!stages_of_rank.count(rank_)) continue;
-    // This rank's contributions: [stage][micro-batch] (None where a stage got none).
-    auto local_contrib = [&]() {
-      std::vector<c10::IValue> per_stage;
-      for (int s : stages_of_rank[rank_]) {
-        std::vector<c10::IValue> per_mb;
-        for (int mb = 0; mb < st.m; ++mb) {
-          auto it = st.tied_contrib.find({g, s, mb});
-          per_mb.push_back(it != st.tied_contrib.end() && it->second.defined() ? c10::IValue(it->second)
-                                                                               : c10::IValue());
-        }
-        per_stage.push_back(c10::ivalue::Tuple::create(std::move(per_mb)));
-      }
-      return c10::IValue(c10::ivalue::Tuple::create(std::move(per_stage)));
-    };
-    const int leader = schedule_.stage_to_rank[holders[0]];
-    const int mine = stages_of_rank[rank_][0];
-    const std::string where = absl::StrCat("rank ", rank_, " step ", step, " tied-gradient sync of '", tp.canonical(), "'");
-    at::Tensor total;
-    if (rank_ == leader) {
-      std::map<int, std::vector<c10::IValue>> contrib;  // stage -> per micro-batch
-      auto take = [&](int r, const c10::IValue& v) {
-        const auto& per_stage = v.toTupleRef().elements();
-        for (size_t i = 0; i < per_stage.size(); ++i) {
-          contrib[stages_of_rank[r][i]] = per_stage[i].toTupleRef().elements().vec();
-        }
-      };
-      take(rank_, local_contrib());
-      for (const auto& [r, ss] : stages_of_rank) {
-        if (r == leader) continue;
-        auto w = transport_->Recv(r, MakeTag(Tag::Kind::kTiedGradient, step, 0, ss[0], holders[0], g));
-        PIPPY_RETURN_IF_ERROR(WaitFor(w, where));
-        take(r, w->Value());
-      }
-      // The unsplit model's order: per micro-batch, the uses' gradients as its
-      // backward meets them (last stage first); then micro-batches in order.
+    TiedGroup group;
+    group.group = g;
+    group.name = tp.canonical();
+    group.holders.assign(tp.stages().begin(), tp.stages().end());
+    std::sort(group.holders.begin(), group.holders.end());
+    for (int s : group.holders) group.stages_of_rank[schedule_.stage_to_rank[s]].push_back(s);
+    auto mine = group.stages_of_rank.find(rank_);
+    if (mine == group.stages_of_rank.end()) continue;
+    // This rank's contributions, per holder stage and micro-batch; the shape from any
+    // local copy of the tensor.
+    std::vector<std::vector<at::Tensor>> local;
+    for (int s : mine->second) {
+      std::vector<at::Tensor> per_mb;
       for (int mb = 0; mb < st.m; ++mb) {
-        at::Tensor sum;
-        for (auto it = holders.rbegin(); it != holders.rend(); ++it) {
-          const c10::IValue& c = contrib[*it][mb];
-          if (!c.isTensor()) continue;
-          sum = sum.defined() ? sum + c.toTensor() : c.toTensor();
-        }
-        if (sum.defined()) total = total.defined() ? total + sum : sum;
+        auto it = st.tied_contrib.find({g, s, mb});
+        per_mb.push_back(it != st.tied_contrib.end() ? it->second : at::Tensor());
       }
-      std::vector<std::shared_ptr<transport::Work>> sends;
-      for (const auto& [r, ss] : stages_of_rank) {
-        if (r == leader) continue;
-        sends.push_back(transport_->Send(r, MakeTag(Tag::Kind::kTiedGradient, step, 1, holders[0], ss[0], g),
-                                         total.defined() ? c10::IValue(total) : c10::IValue()));
+      local.push_back(std::move(per_mb));
+      for (const auto& [p, pg] : tied_params_[s]) {
+        if (pg == g) group.shape = p.sizes().vec();
       }
-      for (auto& w : sends) PIPPY_RETURN_IF_ERROR(WaitFor(w, where));
-    } else {
-      auto sent = transport_->Send(leader, MakeTag(Tag::Kind::kTiedGradient, step, 0, mine, holders[0], g),
-                                   local_contrib());
-      auto w = transport_->Recv(leader, MakeTag(Tag::Kind::kTiedGradient, step, 1, holders[0], mine, g));
-      PIPPY_RETURN_IF_ERROR(WaitFor(sent, where));
-      PIPPY_RETURN_IF_ERROR(WaitFor(w, where));
-      if (w->Value().isTensor()) total = w->Value().toTensor();
     }
-    for (int s : stages_of_rank[rank_]) {
-      for (auto& [p, group] : tied_params_[s]) {
-        if (group == g) p.mutable_grad() = total.defined() ? total.clone() : at::Tensor();
+    PIPPY_ASSIGN_OR_RETURN(at::Tensor total, SumTiedGradient(ctx, group, local, st.m));
+    for (int s : mine->second) {
+      for (auto& [p, pg] : tied_params_[s]) {
+        if (pg == g) p.mutable_grad() = total.defined() ? total.clone() : at::Tensor();
       }
     }
   }
@@ -599,25 +587,7 @@ absl::StatusOr<double> RankRuntime::ClipGradients(int step) {
       if (!skip.count(p.name)) local += p.value.grad().to(at::kDouble).pow(2).sum().item<double>();
     }
   }
-  const int R = schedule_.num_ranks;
-  const std::string where = absl::StrCat("rank ", rank_, " step ", step, " gradient-norm exchange");
-  double total = local;
-  if (rank_ == 0) {
-    for (int r = 1; r < R; ++r) {
-      auto w = transport_->Recv(r, MakeTag(Tag::Kind::kGradNorm, step, 0, 0, 0, r));
-      PIPPY_RETURN_IF_ERROR(WaitFor(w, where));
-      total += w->Value().toDouble();
-    }
-    std::vector<std::shared_ptr<transport::Work>> sends;
-    for (int r = 1; r < R; ++r) sends.push_back(transport_->Send(r, MakeTag(Tag::Kind::kGradNorm, step, 1, 0, 0, r), total));
-    for (auto& w : sends) PIPPY_RETURN_IF_ERROR(WaitFor(w, where));
-  } else {
-    auto sent = transport_->Send(0, MakeTag(Tag::Kind::kGradNorm, step, 0, 0, 0, rank_), local);
-    auto w = transport_->Recv(0, MakeTag(Tag::Kind::kGradNorm, step, 1, 0, 0, rank_));
-    PIPPY_RETURN_IF_ERROR(WaitFor(sent, where));
-    PIPPY_RETURN_IF_ERROR(WaitFor(w, where));
-    total = w->Value().toDouble();
-  }
+  PIPPY_ASSIGN_OR_RETURN(double total, AllReduceSum(Collectives(step), local, "gradient-norm exchange"));
   const double norm = std::sqrt(total);
   const double coef = options_.clip_grad_norm / (norm + 1e-6);
   if (coef < 1.0) {

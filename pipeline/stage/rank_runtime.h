@@ -8,7 +8,12 @@
 // memory. Received activations are detached and require grad; gradients for a value
 // with several consumers are summed. After the actions: tied-weight gradients are
 // summed across the stages that hold them, gradients are clipped by the global norm
-// over ALL stages (if asked), and the optimizer steps.
+// over ALL stages (if asked) — both collectives in step_collectives.h — and the
+// optimizer steps.
+//
+// A malformed message from a peer (a gradient of the wrong shape or type, a broken
+// collective) ends the step with DATA_LOSS naming the peer; received activations are
+// only used inside the stage's forward, whose LibTorch errors are a Status too.
 //
 // Every wait has a deadline; a rank that times out says where it stood: the action's
 // position in the list, the action, and the peer and tag it waited for.
@@ -28,6 +33,7 @@
 #include "absl/time/time.h"
 #include "pipeline/schedule/schedule.h"
 #include "pipeline/stage/microbatch.h"
+#include "pipeline/stage/step_collectives.h"
 #include "pipeline/stage/training.h"
 #include "pipeline/transport/transport.h"
 #include "proto/plan.pb.h"
@@ -95,6 +101,9 @@ class RankRuntime {
   absl::Status RecvForward(StepState& st, int stage, int mb, const std::string& where);
   absl::Status SendBackward(StepState& st, int stage, int mb);
   absl::Status RecvBackward(StepState& st, int stage, int mb, const std::string& where);
+  // The step's collectives (step_collectives.h) over this runtime's transport, waits
+  // and cancellation.
+  CollectiveContext Collectives(int step);
   absl::Status SyncTiedGradients(StepState& st);
   absl::StatusOr<double> ClipGradients(int step);
   absl::Status WaitFor(const std::shared_ptr<transport::Work>& work, const std::string& where);

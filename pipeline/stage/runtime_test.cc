@@ -426,6 +426,34 @@ TEST_F(RuntimeBehaviourTest, CancelFromAnotherThread_EndsTheWaitingStep) {
   EXPECT_EQ(next.status().code(), absl::StatusCode::kCancelled);
 }
 
+// A peer that sends something malformed where a gradient belongs (a tensor of the
+// wrong shape, a string): the step ends with DATA_LOSS naming the peer, no exception.
+TEST_F(RuntimeBehaviourTest, MalformedGradientFromPeer_IsDataLossNamingIt) {
+  for (int variant = 0; variant < 2; ++variant) {
+    auto rt = LoneRank0(absl::Seconds(20));
+    ASSERT_NE(rt, nullptr);
+    std::thread fake_rank1([&] {
+      transport::Tag act;
+      act.kind = transport::Tag::Kind::kActivation;
+      act.src_stage = 0;
+      act.dst_stage = 1;
+      auto got = transports_[1]->Recv(0, act);
+      if (!got->Wait(absl::Seconds(20)).ok()) return;
+      transport::Tag grad;
+      grad.kind = transport::Tag::Kind::kGradient;
+      grad.src_stage = 1;
+      grad.dst_stage = 0;
+      c10::IValue bad = variant == 0 ? c10::IValue(at::ones({3, 3})) : c10::IValue(std::string("not a gradient"));
+      transports_[1]->Send(0, grad, bad)->Wait(absl::Seconds(20)).IgnoreError();  // the test checks rank 0's error
+    });
+    auto res = rt->TrainStep(0, inputs_, target_);
+    fake_rank1.join();
+    EXPECT_EQ(res.status().code(), absl::StatusCode::kDataLoss) << res.status();
+    EXPECT_THAT(std::string(res.status().message()), HasSubstr("rank 1 sent a"));
+    EXPECT_THAT(std::string(res.status().message()), HasSubstr(variant == 0 ? "shape [3, 3]" : "String"));
+  }
+}
+
 TEST_F(RuntimeBehaviourTest, BatchNotDivisible_ClearError) {
   Load("mlp");
   auto pipe = partition::SplitModel(model_, [] { partition::SplitOptions o; o.num_stages = 2; return o; }());
