@@ -13,6 +13,7 @@
 #include "pipeline/job/job_spec.h"
 #include "pipeline/partition/model_io.h"
 #include "pipeline/partition/partition.h"
+#include "pipeline/partition/pipe_io.h"
 #include "torch/csrc/jit/runtime/graph_executor.h"
 
 namespace pippy::cli {

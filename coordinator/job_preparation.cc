@@ -14,6 +14,7 @@
 #include "pipeline/job/job_plan.h"
 #include "pipeline/job/job_spec.h"
 #include "pipeline/partition/model_io.h"
+#include "pipeline/partition/forward_probe.h"
 #include "pipeline/partition/partition.h"
 #include "pipeline/stage/data_source.h"
 #include "pipeline/stage/microbatch.h"

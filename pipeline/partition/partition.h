@@ -4,7 +4,11 @@
 //   SplitOptions opts; opts.num_stages = 4;               // or opts.split_at = {...}
 //   absl::StatusOr<Pipe> pipe = SplitModel(*model, opts);
 //   pipe->stages[s].forward(...)                          // run a stage in process
-//   WritePipe(*pipe, "out/")                              // stage_N.pt + plan.json
+//   WritePipe(*pipe, "out/")                              // pipe_io.h: stage_N.pt + plan.json
+//
+// Files: partition.cc (this API: which cuts, from split points, markers or a balanced
+// split), cost_model (what a balanced split equalises), plan_builder (stages and the
+// plan from cuts), forward_probe (forward passes that change nothing), pipe_io (files).
 //
 // Split points come, in this order of precedence, from `split_at` (module paths),
 // from PipeSplit marker modules in the model, or from an automatic balanced split
@@ -53,11 +57,6 @@ struct Pipe {
 // input that does not fit), with a message that says what to do.
 absl::StatusOr<Pipe> SplitModel(const torch::jit::Module& model, const SplitOptions& options);
 
-// Runs `model`'s forward once on `inputs` without gradients and puts back what the
-// run changed in its buffers (batch-norm statistics): a check that an input fits,
-// without a copy of the model. Errors: INVALID_ARGUMENT with LibTorch's message.
-absl::StatusOr<c10::IValue> RunForwardOnce(const torch::jit::Module& model, const std::vector<c10::IValue>& inputs);
-
 // A legal cut position and how to name it with --split-at.
 struct CutPoint {
   int position = 0;        // ops before the cut
@@ -68,12 +67,6 @@ struct CutPoint {
 
 // Every legal cut of the model, in order.
 absl::StatusOr<std::vector<CutPoint>> ListLegalCuts(const torch::jit::Module& model);
-
-// Writes stage_<N>.pt for every stage and plan.json into `dir` (created if needed).
-absl::Status WritePipe(const Pipe& pipe, const std::string& dir);
-
-// The plan as JSON (protobuf's JSON mapping, field names as in plan.proto).
-std::string PlanToJson(const PipelinePlan& plan);
 
 }  // namespace pippy::partition
 

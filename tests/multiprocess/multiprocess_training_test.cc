@@ -20,6 +20,7 @@
 #include "gtest/gtest.h"
 #include "pipeline/partition/model_io.h"
 #include "pipeline/partition/partition.h"
+#include "pipeline/partition/pipe_io.h"
 #include "torch/csrc/jit/serialization/pickle.h"
 #include "pipeline/stage/testing/reference_training.h"
 #include "torch/csrc/jit/runtime/graph_executor.h"

@@ -4,7 +4,6 @@
 #include <nccl.h>
 
 #include <chrono>
-#include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -51,10 +50,9 @@ class NcclTransport : public Transport {
   NcclTransport(int rank, int n, const Options& o) : rank_(rank), n_(n), options_(o) {}
   ~NcclTransport() override {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       stop_ = true;
     }
-    cv_.notify_all();
     if (thread_.joinable()) thread_.join();
     if (comm_ != nullptr) ncclCommAbort(comm_);
     if (slots_ != nullptr) cudaFree(slots_);
@@ -105,15 +103,12 @@ class NcclTransport : public Transport {
       op->Finish(absl::InvalidArgumentError(absl::StrCat("NCCL transport: bad peer rank ", op->peer())));
       return op;
     }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (aborted_) {
-        op->Finish(absl::UnavailableError("NCCL communicator was aborted after a peer stopped responding"));
-        return op;
-      }
-      queue_.push_back(op);
+    absl::MutexLock lock(&mu_);
+    if (aborted_) {
+      op->Finish(absl::UnavailableError("NCCL communicator was aborted after a peer stopped responding"));
+      return op;
     }
-    cv_.notify_all();
+    queue_.push_back(op);  // the loop's Await wakes on the change
     return op;
   }
 
@@ -133,7 +128,7 @@ class NcclTransport : public Transport {
           ncclCommAbort(comm_);
           comm_ = nullptr;
           {
-            std::lock_guard<std::mutex> lock(mu_);
+            absl::MutexLock lock(&mu_);
             aborted_ = true;
           }
           return absl::UnavailableError(absl::StrCat("rank ", rank_, ": peer rank ", op->peer(), " did not take part in ",
@@ -229,8 +224,10 @@ class NcclTransport : public Transport {
     while (true) {
       std::vector<std::shared_ptr<NcclOp>> batch;
       {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        absl::MutexLock lock(&mu_);
+        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_ || !queue_.empty(); };
+        // Idle until there is work; Stop() ends it (no deadline: nothing is waited for).
+        mu_.Await(absl::Condition(&ready));
         if (stop_) break;
         while (!queue_.empty() && batch.size() < kMaxBatch) {
           if (!queue_.front()->IsCompleted()) batch.push_back(queue_.front());
@@ -251,11 +248,10 @@ class NcclTransport : public Transport {
   cudaStream_t stream_ = nullptr;
   void* slots_ = nullptr;
   std::thread thread_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::shared_ptr<NcclOp>> queue_;  // guarded by mu_
-  bool stop_ = false;                          // guarded by mu_
-  bool aborted_ = false;                       // guarded by mu_
+  absl::Mutex mu_;
+  std::deque<std::shared_ptr<NcclOp>> queue_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool aborted_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace

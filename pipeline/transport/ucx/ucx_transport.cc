@@ -1,15 +1,8 @@
 #include "pipeline/transport/ucx/ucx_transport.h"
 
-#include <poll.h>
-#include <sys/epoll.h>
-#include <sys/eventfd.h>
 #include <ucp/api/ucp.h>
-#include <unistd.h>
 
-#include <atomic>
 #include <chrono>
-#include <cstring>
-#include <functional>
 #include <map>
 #include <mutex>
 #include <set>
@@ -21,30 +14,20 @@
 #include "absl/synchronization/mutex.h"
 #include "common/log.h"
 #include "pipeline/transport/completion.h"
+#include "pipeline/transport/ucx/progress.h"
+#include "pipeline/transport/ucx/receive_pool.h"
 #include "pipeline/transport/wire_format.h"
+
+// The protocol (docs/wire_protocol.md): each Send is a header message (part 0) and,
+// unless the payload travels inline with it, one payload message (part 1) with the
+// same tag; a Recv posts the header's receive, decodes it, allocates the tensors and
+// posts the payload's receive into them. Who drives UCX is progress.h's business,
+// where receive buffers come from receive_pool.h's.
 
 namespace pippy::transport::ucx {
 namespace {
 
 using wire::kMaxHeader;
-// A waiting caller drives UCX itself for as long as the transfer moves, and blocks once
-// UCX has had nothing to do for this long (the peer is computing, not sending): a
-// multi-MiB transfer is carried without a thread hand-off, an idle wait does not hog a
-// core.
-constexpr int kIdleDriveMicros = 1000;
-// After a caller stops driving, the background thread leaves the worker to the
-// callers for this long unless summoned: an application between two waits (posting
-// its next operations) is neither raced for the worker nor preempted by a thread that
-// its event fd woke. A caller that blocks, or a send that needs progress while nobody
-// waits, summons the thread at once.
-constexpr int64_t kCallerGraceNanos = 2'000'000;
-// While callers drive, the background thread checks this often whether they still do.
-constexpr int64_t kStandAsideNanos = 1'000'000;
-
-int64_t SteadyNanos() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 // UCX tag: [sender rank 8][part 1][kind 3][step 12][mb 12][src stage 8][dst stage 8][index 12].
 uint64_t UcxTag(int sender, int part, const Tag& t) {
@@ -58,30 +41,35 @@ std::string UcsError(ucs_status_t s) { return ucs_status_string(s); }
 
 class Impl;
 
-// One Send or Recv: the Work handed to the caller and the record the progress thread
-// keeps until UCX is done with its buffers.
+// One Send or Recv: the Work handed to the caller and the record the protocol keeps
+// until UCX is done with its buffers. Its protocol state is guarded by the owning
+// transport's worker lock (the same for every Op of a transport).
 class Op : public CompletionWork, public std::enable_shared_from_this<Op> {
  public:
-  Op(Impl* owner, bool is_recv, int self, int peer, const Tag& tag)
-      : CompletionWork(self, peer, tag, is_recv), owner_(owner) {}
+  Op(Impl* owner, absl::Mutex* worker_mu, bool is_recv, int self, int peer, const Tag& tag)
+      : CompletionWork(self, peer, tag, is_recv), owner_(owner), worker_mu_(worker_mu) {}
 
-  // Drives UCX from the waiting thread first (see Op::Wait below).
+  // Drives UCX from the waiting thread first (ProgressEngine::Drive), then blocks.
   absl::Status Wait(absl::Duration timeout) override;
   void Cancel() override;
 
-  // Progress-thread state.
-  Impl* owner_;
-  std::string header;                    // send: the header (and an inline payload)
-  std::unique_ptr<char[]> recv_header;   // receive: kMaxHeader bytes, uninitialised
-  std::vector<at::Tensor> tensors;
-  std::vector<ucp_dt_iov_t> iov;
-  c10::IValue pending_value;
-  std::set<void*> requests;  // outstanding UCX requests
-  bool payload_posted = false;
+  // Tells the analysis that the lock is held where UCX runs callbacks (inside
+  // ucp_worker_progress, which is only called with it held).
+  void AssertWorkerHeld() const ABSL_ASSERT_EXCLUSIVE_LOCK(worker_mu_) { worker_mu_->AssertHeld(); }
+
+  Impl* const owner_;
+  absl::Mutex* const worker_mu_;
+  std::string header ABSL_GUARDED_BY(worker_mu_);                    // send: the header (and an inline payload)
+  std::unique_ptr<char[]> recv_header ABSL_GUARDED_BY(worker_mu_);   // receive: kMaxHeader bytes
+  std::vector<at::Tensor> tensors ABSL_GUARDED_BY(worker_mu_);
+  std::vector<ucp_dt_iov_t> iov ABSL_GUARDED_BY(worker_mu_);
+  c10::IValue pending_value ABSL_GUARDED_BY(worker_mu_);
+  std::set<void*> requests ABSL_GUARDED_BY(worker_mu_);  // outstanding UCX requests
+  bool payload_posted ABSL_GUARDED_BY(worker_mu_) = false;
   struct Post {
     bool completed = false;  // the callback ran inside ucp_tag_recv_nbx
   };
-  Post* posting = nullptr;  // set while a receive of this op is being posted
+  Post* posting ABSL_GUARDED_BY(worker_mu_) = nullptr;  // set while a receive of this op is being posted
 };
 
 struct EpErrorArg {
@@ -91,7 +79,7 @@ struct EpErrorArg {
 
 class Impl : public UcxTransport {
  public:
-  Impl(int rank, int n) : rank_(rank), n_(n), dead_(n, false), err_args_(n) {}
+  Impl(int rank, int n) : rank_(rank), n_(n), err_args_(n) {}
 
   ~Impl() override { Shutdown(); }
 
@@ -129,19 +117,13 @@ class Impl : public UcxTransport {
     if (s != UCS_OK) return absl::UnavailableError(absl::StrCat("ucp_worker_get_address: ", UcsError(s)));
     address_.assign(reinterpret_cast<const char*>(addr), len);
     ucp_worker_release_address(worker_, addr);
-    s = ucp_worker_get_efd(worker_, &ucx_efd_);
-    if (s != UCS_OK) return absl::UnavailableError(absl::StrCat("ucp_worker_get_efd: ", UcsError(s)));
-    wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
-    for (int fd : {ucx_efd_, wake_fd_}) {
-      epoll_event ev{};
-      ev.events = EPOLLIN;
-      ev.data.fd = fd;
-      epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev);
+    progress_ = std::make_unique<ProgressEngine>(worker_, &worker_mu_);
+    {
+      absl::MutexLock lock(&worker_mu_);
+      eps_.assign(n_, nullptr);
+      dead_.assign(n_, false);
     }
-    eps_.assign(n_, nullptr);
-    progress_ = std::thread([this] { ProgressLoop(); });
-    return absl::OkStatus();
+    return progress_->Start();
   }
 
   int rank() const override { return rank_; }
@@ -153,7 +135,8 @@ class Impl : public UcxTransport {
       return absl::InvalidArgumentError(absl::StrCat("Connect needs ", n_, " addresses, got ", addresses.size()));
     }
     absl::Status result;
-    WithWorker([&] {
+    {
+      absl::MutexLock lock(&worker_mu_);
       for (int r = 0; r < n_; ++r) {
         err_args_[r] = {this, r};
         ucp_ep_params_t ep{};
@@ -170,7 +153,8 @@ class Impl : public UcxTransport {
           break;
         }
       }
-    });
+    }
+    progress_->AfterPosting(true);
     if (!result.ok()) return result;
     // Hello barrier: wires every endpoint both ways so failures are noticed.
     Tag hello;
@@ -194,43 +178,56 @@ class Impl : public UcxTransport {
   }
 
   std::shared_ptr<Work> Send(int peer, const Tag& tag, c10::IValue value) override {
-    auto op = std::make_shared<Op>(this, false, rank_, peer, tag);
+    auto op = std::make_shared<Op>(this, &worker_mu_, false, rank_, peer, tag);
     if (peer < 0 || peer >= n_) {
       op->Finish(absl::InvalidArgumentError(absl::StrCat("no rank ", peer, " (world size ", n_, ")")));
       return op;
     }
-    absl::Status enc = wire::EncodeHeader(value, &op->header, &op->tensors);
-    for (const at::Tensor& t : op->tensors) {
+    // Encoded before the lock: only this thread knows the op yet.
+    std::string header;
+    std::vector<at::Tensor> tensors;
+    absl::Status enc = wire::EncodeHeader(value, &header, &tensors);
+    for (const at::Tensor& t : tensors) {
       if (enc.ok() && !t.device().is_cpu()) enc = absl::InvalidArgumentError("the UCX transport sends CPU tensors");
     }
-    if (!enc.ok() || op->header.size() > kMaxHeader) {
+    if (!enc.ok() || header.size() > kMaxHeader) {
       op->Finish(enc.ok() ? absl::InvalidArgumentError("value structure too large for one message") : enc);
       return op;
     }
+    std::vector<ucp_dt_iov_t> iov;
     size_t payload = 0;
-    for (const at::Tensor& t : op->tensors) {
+    for (const at::Tensor& t : tensors) {
       size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
-      if (bytes > 0) op->iov.push_back({t.data_ptr(), bytes});
+      if (bytes > 0) iov.push_back({t.data_ptr(), bytes});
       payload += bytes;
     }
-    if (payload > 0 && payload <= wire::kMaxInlinePayload && op->header.size() + payload <= kMaxHeader) {
+    if (payload > 0 && payload <= wire::kMaxInlinePayload && header.size() + payload <= kMaxHeader) {
       // Small: one message, header and bytes together (wire_format.h).
-      wire::AppendInlinePayload(op->tensors, &op->header);
-      op->tensors.clear();
-      op->iov.clear();
+      wire::AppendInlinePayload(tensors, &header);
+      tensors.clear();
+      iov.clear();
     }
-    WithWorker([this, op] { StartSend(op); }, /*wake=*/[op] { return !op->IsCompleted(); });
+    {
+      absl::MutexLock lock(&worker_mu_);
+      op->AssertWorkerHeld();
+      op->header = std::move(header);
+      op->tensors = std::move(tensors);
+      op->iov = std::move(iov);
+      StartSend(op);
+    }
+    progress_->AfterPosting(!op->IsCompleted());
     return op;
   }
 
   std::shared_ptr<Work> Recv(int peer, const Tag& tag) override {
-    auto op = std::make_shared<Op>(this, true, rank_, peer, tag);
+    auto op = std::make_shared<Op>(this, &worker_mu_, true, rank_, peer, tag);
     if (peer < 0 || peer >= n_) {
       op->Finish(absl::InvalidArgumentError(absl::StrCat("no rank ", peer, " (world size ", n_, ")")));
       return op;
     }
     // An armed worker's event fd wakes the progress thread when the message arrives.
-    WithWorker([this, op] { StartRecv(op); }, /*wake=*/[] { return false; });
+    absl::MutexLock lock(&worker_mu_);
+    StartRecv(op);
     return op;
   }
 
@@ -241,125 +238,22 @@ class Impl : public UcxTransport {
 
   void CancelOp(const std::shared_ptr<Op>& op) {
     op->Finish(absl::CancelledError(absl::StrCat("rank ", rank_, ": ", op->tag().ToString(), " cancelled")));
-    WithWorker([this, op] {
+    {
+      absl::MutexLock lock(&worker_mu_);
+      op->AssertWorkerHeld();
       // Cancelling may complete the request (and erase it) right here: iterate a copy.
       std::set<void*> requests = op->requests;
       for (void* req : requests) ucp_request_cancel(worker_, req);
-    });
+    }
+    progress_->AfterPosting(true);
   }
 
-  std::shared_ptr<Op> Find(Op* raw) {
+  ProgressEngine& progress() { return *progress_; }
+
+ private:
+  std::shared_ptr<Op> Find(Op* raw) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_) {
     auto it = live_.find(raw);
     return it == live_.end() ? nullptr : it->second;
-  }
-
- private:
-  // Runs `fn` with the worker lock held (UCX calls and the state below), then makes
-  // sure someone keeps progressing: unless a caller drives the worker in Wait(), a
-  // sleeping progress thread is woken if `wake` says the operation still needs it.
-  void WithWorker(const std::function<void()>& fn, const std::function<bool()>& wake = [] { return true; }) {
-    {
-      absl::MutexLock lock(&worker_mu_);
-      fn();
-    }
-    if (driving_.load() == 0 && wake()) Summon();
-  }
-
-  // Makes the background thread take the worker over now.
-  void Summon() {
-    takeover_.store(true);
-    Wake();
-  }
-
-  void Wake() {
-    if (sleeping_.load()) {
-      uint64_t one = 1;
-      (void)!write(wake_fd_, &one, sizeof(one));
-    }
-  }
-
- public:
-  std::atomic<int> driving_{0};  // callers currently progressing the worker in Wait()
-  std::atomic<int64_t> last_drive_end_{0};  // SteadyNanos() when a caller last stopped driving
-  std::atomic<bool> takeover_{false};       // the background thread is needed now
-
-  // Progresses the worker once if no other thread is doing it (the caller checks its
-  // operation after each round: no extra poll of the sockets before it notices).
-  // Returns the number of UCX events handled, or -1 when another thread holds the worker.
-  int TryProgress() {
-    if (!worker_mu_.TryLock()) return -1;
-    const int events = static_cast<int>(ucp_worker_progress(worker_));
-    worker_mu_.Unlock();
-    return events;
-  }
-
- private:
-
-  // The background progress thread keeps UCX moving when no caller is waiting (sends
-  // in flight, keepalive, peer-failure detection). While there is traffic it polls;
-  // idle, it sleeps on the worker's event fd (0% CPU). Waiting callers progress the
-  // worker themselves, which is what keeps small-message latency low.
-  void ProgressLoop() {
-    auto last_activity = std::chrono::steady_clock::now();
-    while (!stop_.load()) {
-      if (driving_.load() > 0) {
-        // Callers drive the worker: a second poller (or being woken by the event fd
-        // for every message) only steals their CPU. A caller that stops driving before
-        // its operation is done summons this thread again.
-        takeover_.store(false);
-        StandAside(kStandAsideNanos);
-        last_activity = std::chrono::steady_clock::now();
-        continue;
-      }
-      const int64_t grace_left = last_drive_end_.load() + kCallerGraceNanos - SteadyNanos();
-      if (grace_left > 0 && !takeover_.load()) {
-        // Callers drove it a moment ago and are likely to again.
-        StandAside(std::min(grace_left, kStandAsideNanos));
-        last_activity = std::chrono::steady_clock::now();
-        continue;
-      }
-      takeover_.store(false);
-      bool work = false;
-      {
-        absl::MutexLock lock(&worker_mu_);
-        while (ucp_worker_progress(worker_) != 0) work = true;
-      }
-      auto now = std::chrono::steady_clock::now();
-      if (work) last_activity = now;
-      if (driving_.load() == 0 && now - last_activity < std::chrono::microseconds(100)) {
-        std::this_thread::yield();
-        continue;
-      }
-      {
-        absl::MutexLock lock(&worker_mu_);
-        if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
-        sleeping_.store(true);
-      }
-      epoll_event events[2];
-      int n = epoll_wait(epoll_fd_, events, 2, 50);
-      sleeping_.store(false);
-      for (int i = 0; i < n; ++i) {
-        if (events[i].data.fd == wake_fd_) {
-          uint64_t v;
-          (void)!read(wake_fd_, &v, sizeof(v));
-        }
-      }
-      last_activity = std::chrono::steady_clock::now();
-    }
-  }
-
-  // Sleeps on the wake fd alone (not the worker's event fd) for up to `nanos`.
-  void StandAside(int64_t nanos) {
-    sleeping_.store(true);
-    if (!stop_.load() && !takeover_.load()) {
-      pollfd p{wake_fd_, POLLIN, 0};
-      timespec ts{static_cast<time_t>(nanos / 1'000'000'000), static_cast<long>(nanos % 1'000'000'000)};
-      if (ppoll(&p, 1, &ts, nullptr) > 0) {
-        uint64_t v;
-        (void)!read(wake_fd_, &v, sizeof(v));
-      }
-    }
-    sleeping_.store(false);
   }
 
   ucp_request_param_t Params(Op* op, bool iov) {
@@ -374,7 +268,9 @@ class Impl : public UcxTransport {
   }
 
   // Records a UCX request; returns false (and fails the op) on an immediate error.
-  bool Track(const std::shared_ptr<Op>& op, ucs_status_ptr_t req, const char* what) {
+  bool Track(const std::shared_ptr<Op>& op, ucs_status_ptr_t req, const char* what)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_) {
+    op->AssertWorkerHeld();
     if (UCS_PTR_IS_ERR(req)) {
       ucs_status_t s = UCS_PTR_STATUS(req);
       op->Finish(PeerStatus(op.get(), s, what));
@@ -388,7 +284,7 @@ class Impl : public UcxTransport {
     return true;
   }
 
-  absl::Status PeerStatus(Op* op, ucs_status_t s, const char* what) {
+  absl::Status PeerStatus(Op* op, ucs_status_t s, const char* what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_) {
     std::string msg = absl::StrCat("rank ", rank_, ": ", what, " rank ", op->peer(), " (", op->tag().ToString(),
                                    ") failed: ", UcsError(s));
     if (s == UCS_ERR_CANCELED) return absl::CancelledError(msg);
@@ -400,7 +296,8 @@ class Impl : public UcxTransport {
     return absl::InternalError(msg);
   }
 
-  void Retire(const std::shared_ptr<Op>& op) {
+  void Retire(const std::shared_ptr<Op>& op) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_) {
+    op->AssertWorkerHeld();
     if (op->requests.empty()) {
       live_.erase(op.get());
       pending_by_peer_[op->peer()].erase(op.get());
@@ -412,7 +309,8 @@ class Impl : public UcxTransport {
                                                op->tag().ToString(), ")"));
   }
 
-  void StartSend(const std::shared_ptr<Op>& op) {
+  void StartSend(const std::shared_ptr<Op>& op) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_) {
+    op->AssertWorkerHeld();
     if (op->IsCompleted()) return;  // cancelled before it started
     if (eps_[op->peer()] == nullptr) {
       op->Finish(absl::FailedPreconditionError("Send before Connect"));
@@ -451,9 +349,11 @@ class Impl : public UcxTransport {
   static void OnSendDone(void* request, ucs_status_t status, void* user_data) {
     Op* raw = static_cast<Op*>(user_data);
     Impl* self = raw->owner_;
+    self->worker_mu_.AssertHeld();  // UCX runs callbacks inside ucp_worker_progress
     std::shared_ptr<Op> op = self->Find(raw);
     ucp_request_free(request);
     if (op == nullptr) return;
+    op->AssertWorkerHeld();
     op->requests.erase(request);
     if (status != UCS_OK) op->Finish(self->PeerStatus(raw, status, "send to"));
     if (op->requests.empty()) {
@@ -462,16 +362,12 @@ class Impl : public UcxTransport {
     }
   }
 
-  void StartRecv(const std::shared_ptr<Op>& op) {
+  void StartRecv(const std::shared_ptr<Op>& op) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_) {
+    op->AssertWorkerHeld();
     if (op->IsCompleted()) return;
     pending_by_peer_[op->peer()][op.get()] = op;
     live_[op.get()] = op;
-    if (spare_headers_.empty()) {
-      op->recv_header.reset(new char[kMaxHeader]);
-    } else {
-      op->recv_header = std::move(spare_headers_.back());
-      spare_headers_.pop_back();
-    }
+    op->recv_header = headers_.Take();
     PostRecv(op, 0, op->recv_header.get(), kMaxHeader, false);
     // A peer that is gone may have left this message here before it went (a last rank
     // that sent and exited): UCX matched it above if so. Anything else never comes.
@@ -483,7 +379,9 @@ class Impl : public UcxTransport {
   // a receive completes at once). For a message that is already here, UCX calls it
   // inside ucp_tag_recv_nbx and then returns the (by then freed) request: `post`
   // records that, so the request is not tracked.
-  void PostRecv(const std::shared_ptr<Op>& op, int part, void* buf, size_t count, bool iov) {
+  void PostRecv(const std::shared_ptr<Op>& op, int part, void* buf, size_t count, bool iov)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_) {
+    op->AssertWorkerHeld();
     ucp_request_param_t p = Params(op.get(), iov);
     p.op_attr_mask |= UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
     p.cb.recv = &Impl::OnRecvDone;
@@ -498,15 +396,19 @@ class Impl : public UcxTransport {
   static void OnRecvDone(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user_data) {
     Op* raw = static_cast<Op*>(user_data);
     Impl* self = raw->owner_;
+    self->worker_mu_.AssertHeld();  // UCX runs callbacks inside ucp_worker_progress
     std::shared_ptr<Op> op = self->Find(raw);
     ucp_request_free(request);
     if (op == nullptr) return;
+    op->AssertWorkerHeld();
     if (op->posting != nullptr) op->posting->completed = true;
     op->requests.erase(request);
     self->OnReceived(op, status, status == UCS_OK ? info->length : 0);
   }
 
-  void OnReceived(const std::shared_ptr<Op>& op, ucs_status_t status, size_t length) {
+  void OnReceived(const std::shared_ptr<Op>& op, ucs_status_t status, size_t length)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_) {
+    op->AssertWorkerHeld();
     if (status != UCS_OK) {
       op->Finish(PeerStatus(op.get(), status, "receive from"));
       Retire(op);
@@ -528,15 +430,16 @@ class Impl : public UcxTransport {
     Retire(op);
   }
 
-  void OnHeader(const std::shared_ptr<Op>& op, size_t length) {
+  void OnHeader(const std::shared_ptr<Op>& op, size_t length) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_) {
+    op->AssertWorkerHeld();
     bool inline_payload = false;
     auto decoded = wire::DecodeHeader(
         op->recv_header.get(), length,
-        [this](const std::vector<int64_t>& sizes, c10::ScalarType dtype) { return AllocateReceive(sizes, dtype); },
+        [this](const std::vector<int64_t>& sizes, c10::ScalarType dtype) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+          return receive_pool_.Allocate(sizes, dtype);  // called right here, under the worker lock
+        },
         &op->tensors, &inline_payload);
-    // Header buffers are reused: allocating and freeing 64 KiB per message costs
-    // glibc a heap consolidation each time.
-    if (spare_headers_.size() < 64) spare_headers_.push_back(std::move(op->recv_header));
+    headers_.Give(std::move(op->recv_header));
     op->recv_header.reset();
     c10::IValue value = decoded.ok() ? *decoded : c10::IValue();
     if (!decoded.ok()) {
@@ -567,32 +470,13 @@ class Impl : public UcxTransport {
     PostRecv(op, 1, buf, count, !single);
   }
 
-  // Receive buffers: a fresh 64 MiB tensor costs page faults (~2 GB/s), so buffers
-  // are reused once nothing but the pool references their storage.
-  at::Tensor AllocateReceive(const std::vector<int64_t>& sizes, c10::ScalarType dtype) {
-    const auto options = at::TensorOptions().dtype(dtype);
-    int64_t numel = 1;
-    for (int64_t d : sizes) numel *= d;
-    const int64_t nbytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
-    if (nbytes < (64 << 10)) return at::empty(sizes, options);  // small: the allocator is fast
-    auto& bucket = pool_[nbytes];
-    for (at::Tensor& buf : bucket) {
-      if (buf.storage().use_count() == 1) return buf.view(dtype).view(sizes);
-    }
-    at::Tensor buf = at::empty({nbytes}, at::kByte);
-    if (bucket.size() < 32 && pool_bytes_ + nbytes <= (int64_t{2} << 30)) {
-      bucket.push_back(buf);
-      pool_bytes_ += nbytes;
-    }
-    return buf.view(dtype).view(sizes);
-  }
-
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status) {
     auto* a = static_cast<EpErrorArg*>(arg);
+    a->impl->worker_mu_.AssertHeld();  // UCX runs callbacks inside ucp_worker_progress
     a->impl->FailPeer(a->peer, status);
   }
 
-  void FailPeer(int peer, ucs_status_t status) {
+  void FailPeer(int peer, ucs_status_t status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_) {
     if (dead_[peer]) return;
     dead_[peer] = true;
     log::Warn("rank={} UCX endpoint to rank {} failed: {}", rank_, peer, UcsError(status));
@@ -601,7 +485,8 @@ class Impl : public UcxTransport {
   }
 
   // Fails an operation with a peer that is gone and gives its buffers back from UCX.
-  void Abandon(const std::shared_ptr<Op>& op) {
+  void Abandon(const std::shared_ptr<Op>& op) ABSL_EXCLUSIVE_LOCKS_REQUIRED(worker_mu_) {
+    op->AssertWorkerHeld();
     op->Finish(DeadPeer(op.get()));
     std::set<void*> requests = op->requests;  // cancelling may complete (and erase) them
     for (void* req : requests) ucp_request_cancel(worker_, req);
@@ -609,13 +494,8 @@ class Impl : public UcxTransport {
 
   void Shutdown() {
     if (worker_ == nullptr) return;
-    if (progress_.joinable()) {
-      stop_.store(true);
-      sleeping_.store(true);
-      uint64_t one = 1;
-      (void)!write(wake_fd_, &one, sizeof(one));
-      progress_.join();
-    }
+    if (progress_ != nullptr) progress_->Stop();
+    absl::MutexLock lock(&worker_mu_);
     for (auto& [raw, op] : live_) {
       op->Finish(absl::UnavailableError(absl::StrCat("rank ", rank_, ": transport shut down")));
     }
@@ -648,62 +528,38 @@ class Impl : public UcxTransport {
     }
     live_.clear();
     pending_by_peer_.clear();
-    pool_.clear();
+    receive_pool_.Clear();
     ucp_worker_destroy(worker_);
     worker_ = nullptr;
     ucp_cleanup(context_);
-    if (wake_fd_ >= 0) close(wake_fd_);
-    if (epoll_fd_ >= 0) close(epoll_fd_);
   }
 
   const int rank_, n_;
   absl::Duration connect_timeout_ = absl::Seconds(30);
+  // Set by Init, then constant.
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   std::string address_;
-  int ucx_efd_ = -1, wake_fd_ = -1, epoll_fd_ = -1;
-  std::thread progress_;
-  std::atomic<bool> stop_{false};
-  std::atomic<bool> sleeping_{false};
-  // Held for every UCX call and for the state below (callbacks run under it too).
+  std::unique_ptr<ProgressEngine> progress_;
+  // Held for every UCX call and for the state below; UCX's callbacks run under it.
   absl::Mutex worker_mu_;
-  std::vector<ucp_ep_h> eps_;
-  std::vector<bool> dead_;
-  std::vector<EpErrorArg> err_args_;
-  std::map<Op*, std::shared_ptr<Op>> live_;
-  std::map<int, std::map<Op*, std::shared_ptr<Op>>> pending_by_peer_;
-  std::map<int64_t, std::vector<at::Tensor>> pool_;
-  std::vector<std::unique_ptr<char[]>> spare_headers_;  // kMaxHeader bytes each
-  int64_t pool_bytes_ = 0;
+  std::vector<ucp_ep_h> eps_ ABSL_GUARDED_BY(worker_mu_);
+  std::vector<bool> dead_ ABSL_GUARDED_BY(worker_mu_);
+  std::vector<EpErrorArg> err_args_ ABSL_GUARDED_BY(worker_mu_);
+  std::map<Op*, std::shared_ptr<Op>> live_ ABSL_GUARDED_BY(worker_mu_);
+  std::map<int, std::map<Op*, std::shared_ptr<Op>>> pending_by_peer_ ABSL_GUARDED_BY(worker_mu_);
+  ReceivePool receive_pool_ ABSL_GUARDED_BY(worker_mu_);
+  HeaderPool headers_ ABSL_GUARDED_BY(worker_mu_){kMaxHeader};
 
   friend class Op;
 };
 
 absl::Status Op::Wait(absl::Duration timeout) {
-  // Drive UCX from this thread while the transfer moves (as ucx_perftest does): no
-  // thread hand-off on the critical path. Then block; the progress thread carries on.
-  const auto start = std::chrono::steady_clock::now();
-  const auto deadline = start + absl::ToChronoNanoseconds(std::min(timeout, absl::Hours(24)));
-  auto last_event = start;
-  bool active = false;
-  owner_->driving_.fetch_add(1);
-  for (uint32_t round = 1; !IsCompleted(); ++round) {
-    const int events = owner_->TryProgress();
-    if (events > 0) active = true;
-    if (events < 0) std::this_thread::yield();  // another caller drives
-    // A round on shared memory takes ~50 ns; reading the clock (slow on VMs) every
-    // round would cost more than the progress itself.
-    if (round % 32 != 0) continue;
-    const auto now = std::chrono::steady_clock::now();
-    if (active) last_event = now;
-    active = false;
-    if (now - last_event > std::chrono::microseconds(kIdleDriveMicros) || now >= deadline) break;
+  const absl::Time start = absl::Now();
+  if (owner_->progress().Drive([this] { return IsCompleted(); }, start + timeout)) {
+    return CompletionWork::Wait(timeout);
   }
-  owner_->last_drive_end_.store(SteadyNanos());
-  owner_->driving_.fetch_sub(1);
-  if (IsCompleted()) return CompletionWork::Wait(timeout);
-  owner_->Summon();  // about to block: the progress thread takes over
-  return WaitRest(timeout - absl::FromChrono(std::chrono::steady_clock::now() - start), timeout);
+  return WaitRest(timeout - (absl::Now() - start), timeout);
 }
 
 void Op::Cancel() {
