@@ -85,10 +85,10 @@ int ProgressEngine::TryProgress() {
   return events;
 }
 
-bool ProgressEngine::Drive(const std::function<bool()>& done, absl::Time deadline_time) {
+bool ProgressEngine::Drive(const std::function<bool()>& done, absl::Duration timeout, absl::Duration* elapsed) {
   // Drive UCX from this thread while the transfer moves (as ucx_perftest does).
   const auto start = std::chrono::steady_clock::now();
-  const auto deadline = start + absl::ToChronoNanoseconds(std::min(deadline_time - absl::Now(), absl::Hours(24)));
+  const auto deadline = start + absl::ToChronoNanoseconds(std::min(timeout, absl::Hours(24)));
   auto last_event = start;
   bool active = false;
   driving_.fetch_add(1);
@@ -104,8 +104,10 @@ bool ProgressEngine::Drive(const std::function<bool()>& done, absl::Time deadlin
     active = false;
     if (now - last_event > std::chrono::microseconds(kIdleDriveMicros) || now >= deadline) break;
   }
-  last_drive_end_.store(SteadyNanos());
+  const int64_t end = SteadyNanos();
+  last_drive_end_.store(end);
   driving_.fetch_sub(1);
+  *elapsed = absl::Nanoseconds(end - std::chrono::duration_cast<std::chrono::nanoseconds>(start.time_since_epoch()).count());
   if (done()) return true;
   Summon();  // the caller is about to block: the progress thread takes over
   return false;

@@ -44,9 +44,11 @@ class ProgressEngine {
   void AfterPosting(bool needs_progress);
 
   // For a caller about to wait for an operation: progresses the worker from this
-  // thread until `done()`, or until UCX has been idle for 1 ms, or `deadline`. Returns
-  // whether `done()` held; if not, the background thread has been summoned to carry on.
-  bool Drive(const std::function<bool()>& done, absl::Time deadline);
+  // thread until `done()`, or until UCX has been idle for 1 ms, or `timeout` passed.
+  // Returns whether `done()` held (if not, the background thread has been summoned to
+  // carry on) and sets `*elapsed`. Reads the clock once per 32 rounds: on VMs a clock
+  // read costs more than a round of shared-memory progress.
+  bool Drive(const std::function<bool()>& done, absl::Duration timeout, absl::Duration* elapsed);
 
   // Makes the background thread take the worker over now.
   void Summon();

@@ -555,11 +555,11 @@ class Impl : public UcxTransport {
 };
 
 absl::Status Op::Wait(absl::Duration timeout) {
-  const absl::Time start = absl::Now();
-  if (owner_->progress().Drive([this] { return IsCompleted(); }, start + timeout)) {
+  absl::Duration elapsed;
+  if (owner_->progress().Drive([this] { return IsCompleted(); }, timeout, &elapsed)) {
     return CompletionWork::Wait(timeout);
   }
-  return WaitRest(timeout - (absl::Now() - start), timeout);
+  return WaitRest(timeout - elapsed, timeout);
 }
 
 void Op::Cancel() {
