@@ -63,6 +63,8 @@ void PrintJob(const Job& j) {
     std::cout << absl::StrFormat(", %.0f samples/s, bubble %.0f%%", j.samples_per_second(), 100 * j.bubble_fraction());
   }
   std::cout << "\n  model " << HumanBytes(static_cast<double>(j.model_bytes()));
+  if (!j.spec().data().file().empty()) std::cout << ", data " << j.spec().data().file();
+  if (!j.spec().data().synthetic().empty()) std::cout << ", synthetic data " << j.spec().data().synthetic();
   if (j.stage_file_bytes_size() > 0) {
     std::vector<std::string> sizes;
     for (int64_t b : j.stage_file_bytes()) sizes.push_back(HumanBytes(static_cast<double>(b)));
@@ -320,10 +322,12 @@ int RunWorkers(const GlobalFlags& g) {
     std::cout << Json(r) << "\n";
     return kExitOk;
   }
-  Table t({"worker", "name", "host", "device", "threads", "state", "job", "rank", "stages", "received"});
+  Table t({"worker", "name", "host", "device", "threads", "free memory", "state", "job", "rank", "stages",
+           "received"});
   for (const WorkerInfo& w : r.workers()) {
     const bool busy = !w.job_id().empty();
     t.AddRow({w.worker_id(), w.name(), w.host(), w.device(), absl::StrCat(w.threads()),
+              HumanBytes(static_cast<double>(w.free_memory())),
               absl::AsciiStrToLower(WorkerState_Name(w.state())), busy ? w.job_id() : "-",
               busy ? absl::StrCat(w.rank()) : "-", busy ? absl::StrJoin(w.stages(), ",") : "-",
               busy && w.bytes_received() > 0 ? HumanBytes(static_cast<double>(w.bytes_received())) : "-"});

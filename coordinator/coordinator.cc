@@ -565,10 +565,10 @@ void Coordinator::OnWorkerMessage(const std::string& worker_id, const WorkerMess
         }
       } else if (m.has_step()) {
         auto& reports = e.reports[m.step().step()];
-        reports.push_back(m.step());
+        reports[m.step().rank()] = m.step();  // a repeated report replaces the earlier one
         if (static_cast<int>(reports.size()) == e.ranks) {
           double busy = 0, step_s = 0, loss = 0;
-          for (const auto& r : reports) {
+          for (const auto& [rank, r] : reports) {
             busy += r.busy_seconds();
             step_s = std::max(step_s, r.step_seconds());
             if (r.has_loss()) loss = r.loss();

@@ -108,7 +108,7 @@ class Coordinator {
     std::vector<int64_t> share_bytes;   // by rank
     int64_t version = 0;
     std::map<int, std::string> addresses;             // rank -> UCX address
-    std::map<int, std::vector<StepReport>> reports;   // step -> reports
+    std::map<int, std::map<int, StepReport>> reports;  // step -> rank -> report
     std::set<int> finished;                           // ranks that finished ok
     bool assembling = false;                          // the result is being assembled
     // PARTITIONING: the split stages, in memory, until they are sent or written out.
