@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/chunker.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "coordinator/job_preparation.h"
@@ -451,60 +452,54 @@ void Coordinator::SendRank(const RankSend& send, const StageWriter& writer, std:
   const absl::Status stopped = absl::CancelledError("the job ended");
   for (int stage : send.stages) {
     // Chunks of options_.chunk_bytes; the last one (possibly short) says so.
-    std::string pending;
-    auto flush = [&](bool last) -> absl::Status {
+    Chunker chunker(options_.chunk_bytes, [&](std::string chunk, bool last) -> absl::Status {
       if (send.stop->load()) return stopped;
       CoordinatorMessage m;
       StageChunk* c = m.mutable_stage();
       c->set_job_id(job_id);
       c->set_stage(stage);
-      c->set_chunk(std::move(pending));
+      c->set_chunk(std::move(chunk));
       c->set_last_chunk(last);
-      pending.clear();
       return send.channel->Send(m) ? absl::OkStatus() : gone;
-    };
-    int64_t bytes = 0;
-    absl::Status s = writer(stage, [&](absl::string_view piece) -> absl::Status {
-      bytes += static_cast<int64_t>(piece.size());
-      while (!piece.empty()) {
-        const size_t take = std::min(piece.size(), options_.chunk_bytes - pending.size());
-        pending.append(piece.data(), take);
-        piece.remove_prefix(take);
-        if (pending.size() == options_.chunk_bytes) PIPPY_RETURN_IF_ERROR(flush(false));
-      }
-      return absl::OkStatus();
     });
-    if (s.ok()) s = flush(true);
+    absl::Status s = writer(stage, [&](absl::string_view piece) { return chunker.Append(piece); });
+    if (s.ok()) s = chunker.Finish();
     if (!s.ok()) {
       if (!absl::IsCancelled(s) && !absl::IsUnavailable(s)) {
         log::Error("job={} rank={} cannot send stage {}: {}", job_id, rank, stage, s.message());
       }
       return;
     }
+    const int64_t bytes = static_cast<int64_t>(chunker.total());
     (*stage_bytes)[stage] = bytes;
     sent += bytes;
   }
-  const int64_t share_size = std::max<int64_t>(ArtifactStore::FileSize(send.share_file), 0);
-  int64_t offset = 0;
-  auto send_data = [&](absl::string_view piece) {
-    if (send.stop->load()) return false;
-    offset += static_cast<int64_t>(piece.size());
+  // The data share (a missing file: a rank that needs none, one empty last chunk).
+  Chunker data(options_.chunk_bytes, [&](std::string chunk, bool last) -> absl::Status {
+    if (send.stop->load()) return stopped;
     CoordinatorMessage m;
     DataChunk* c = m.mutable_data();
     c->set_job_id(job_id);
-    c->set_chunk(piece.data(), piece.size());
-    c->set_last_chunk(offset == share_size);
-    return send.channel->Send(m);
-  };
-  if (share_size == 0) {
-    send_data("");
-  } else {
-    absl::Status s = ArtifactStore::StreamFile(send.share_file, options_.chunk_bytes, send_data);
-    if (!s.ok()) {
-      if (!absl::IsCancelled(s)) log::Error("job={} rank={} cannot send its data: {}", job_id, rank, s.message());
-      return;
-    }
+    c->set_chunk(std::move(chunk));
+    c->set_last_chunk(last);
+    return send.channel->Send(m) ? absl::OkStatus() : gone;
+  });
+  absl::Status s, sink_error;
+  if (ArtifactStore::FileSize(send.share_file) > 0) {
+    s = ArtifactStore::StreamFile(send.share_file, options_.chunk_bytes, [&](absl::string_view piece) {
+      sink_error = data.Append(piece);
+      return sink_error.ok();
+    });
+    if (!sink_error.ok()) s = sink_error;
   }
+  if (s.ok()) s = data.Finish();
+  if (!s.ok()) {
+    if (!absl::IsCancelled(s) && !absl::IsUnavailable(s)) {
+      log::Error("job={} rank={} cannot send its data: {}", job_id, rank, s.message());
+    }
+    return;
+  }
+  const int64_t share_size = static_cast<int64_t>(data.total());
   sent += share_size;
   log::Info("job={} rank={} sent {} bytes (stages and data share) in {}", job_id, rank, sent,
             absl::FormatDuration(absl::Now() - start));

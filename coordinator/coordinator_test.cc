@@ -170,16 +170,7 @@ class CoordinatorTest : public ::testing::Test {
   }
 
   Job WaitForState(const std::string& job_id, JobState state) {
-    int64_t version = -1;
-    const absl::Time deadline = absl::Now() + absl::Seconds(60);
-    Job job;
-    while (absl::Now() < deadline) {
-      auto j = coordinator_->WaitForChange(job_id, &version, absl::Seconds(1));
-      if (!j.ok()) break;
-      job = *j;
-      if (job.state() == state) break;
-    }
-    return job;
+    return WaitForJob(job_id, [state](const Job& j) { return j.state() == state; });
   }
 
   // Plays a worker that trains nothing: reports its address, `steps` step reports,

@@ -10,6 +10,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/chunker.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "grpcpp/grpcpp.h"
@@ -216,44 +217,34 @@ class Agent {
 
   // Streams `module` (a trained stage) to the coordinator in chunks as it is written.
   absl::Status SendStage(const std::string& job_id, int stage, const torch::jit::Module& module) {
-    std::string pending;
-    auto flush = [&](bool last) -> absl::Status {
+    Chunker chunker(kResultChunk, [&](std::string chunk, bool last) -> absl::Status {
       WorkerMessage m;
       StageResult* r = m.mutable_stage_result();
       r->set_job_id(job_id);
       r->set_stage(stage);
-      r->set_chunk(std::move(pending));
+      r->set_chunk(std::move(chunk));
       r->set_last_chunk(last);
-      pending.clear();
       if (!Write(m)) return absl::UnavailableError("the stream to the coordinator broke while sending results");
       return absl::OkStatus();
-    };
-    PIPPY_RETURN_IF_ERROR(partition::WriteModule(module, [&](absl::string_view piece) -> absl::Status {
-      while (!piece.empty()) {
-        const size_t take = std::min(piece.size(), kResultChunk - pending.size());
-        pending.append(piece.data(), take);
-        piece.remove_prefix(take);
-        if (pending.size() == kResultChunk) PIPPY_RETURN_IF_ERROR(flush(false));
-      }
-      return absl::OkStatus();
-    }));
-    return flush(true);
+    });
+    PIPPY_RETURN_IF_ERROR(partition::WriteModule(module, [&](absl::string_view piece) { return chunker.Append(piece); }));
+    return chunker.Finish();
   }
 
   absl::Status SendOutputs(const std::string& job_id, const std::vector<c10::IValue>& outputs) {
     PIPPY_ASSIGN_OR_RETURN(c10::IValue merged, stage::MergeMicrobatches(outputs));
     std::vector<char> bytes = torch::jit::pickle_save(merged);
-    for (size_t off = 0; off < bytes.size() || off == 0; off += kResultChunk) {
+    Chunker chunker(kResultChunk, [&](std::string chunk, bool last) -> absl::Status {
       WorkerMessage m;
       InferenceOutput* o = m.mutable_output();
       o->set_job_id(job_id);
-      const size_t n = std::min(kResultChunk, bytes.size() - off);
-      o->set_chunk(bytes.data() + off, n);
-      o->set_last_chunk(off + n >= bytes.size());
+      o->set_chunk(std::move(chunk));
+      o->set_last_chunk(last);
       if (!Write(m)) return absl::UnavailableError("the stream to the coordinator broke while sending outputs");
-      if (bytes.empty()) break;
-    }
-    return absl::OkStatus();
+      return absl::OkStatus();
+    });
+    PIPPY_RETURN_IF_ERROR(chunker.Append(absl::string_view(bytes.data(), bytes.size())));
+    return chunker.Finish();
   }
 
   absl::Status RunRank(Incoming in) {
