@@ -11,6 +11,8 @@
 #include <optional>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -71,6 +73,13 @@ void PrintJob(const Job& j) {
     std::cout << "; stage files " << absl::StrJoin(sizes, ", ");
   }
   std::cout << "\n";
+  for (const StepBreakdown& b : j.breakdown()) {
+    std::cout << absl::StrFormat(
+        "  rank %d, last step %.3f s: compute %.3f, waiting for peers %.3f, transport %.3f, optimizer %.3f, "
+        "other %.3f\n",
+        b.rank(), b.step_seconds(), b.compute_seconds(), b.wait_seconds(), b.transport_seconds(),
+        b.optimizer_seconds(), b.other_seconds());
+  }
   if (j.losses_size() > 0) {
     std::cout << "  losses:";
     for (double l : j.losses()) std::cout << " " << absl::StrFormat("%.4f", l);
@@ -409,6 +418,69 @@ int RunFetch(const std::string& job_id, const std::string& out, const GlobalFlag
   return kExitOk;
 }
 
+// A step's trace as a Chrome trace-event file (Perfetto, chrome://tracing): one process
+// per rank (its worker), one track per stage and one for the rank's own work.
+std::string ChromeTrace(const StepTrace& t) {
+  int64_t origin = INT64_MAX;
+  auto wall = [](const RankTrace& r, const TraceEvent& e) {
+    return e.begin_us() - r.steady_anchor_us() + r.unix_anchor_us();
+  };
+  for (const RankTrace& r : t.ranks()) {
+    for (const TraceEvent& e : r.events()) origin = std::min(origin, wall(r, e));
+  }
+  std::vector<std::string> events;
+  auto quoted = [](const std::string& s) { return absl::StrCat("\"", absl::CEscape(s), "\""); };
+  for (const RankTrace& r : t.ranks()) {
+    events.push_back(absl::StrFormat(
+        R"({"name": "process_name", "ph": "M", "pid": %d, "tid": 0, "args": {"name": %s}})", r.rank(),
+        quoted(absl::StrCat("rank ", r.rank(), " (worker ", r.worker(), ")"))));
+    events.push_back(absl::StrFormat(
+        R"({"name": "thread_name", "ph": "M", "pid": %d, "tid": 0, "args": {"name": "step end"}})", r.rank()));
+    for (int s : r.stages()) {
+      events.push_back(absl::StrFormat(
+          R"({"name": "thread_name", "ph": "M", "pid": %d, "tid": %d, "args": {"name": "stage %d"}})", r.rank(),
+          s + 1, s));
+    }
+    for (const TraceEvent& e : r.events()) {
+      const bool transport = absl::StrContains(e.name(), "SEND") || absl::StrContains(e.name(), "RECV");
+      const char* cat = e.stage() < 0 ? "step" : transport ? "transport" : "compute";
+      events.push_back(absl::StrFormat(
+          R"({"name": %s, "cat": "%s", "ph": "X", "ts": %d, "dur": %d, "pid": %d, "tid": %d, )"
+          R"("args": {"bytes": %d, "wait_us": %d}})",
+          quoted(e.name()), cat, wall(r, e) - origin, std::max<int64_t>(e.duration_us(), 1), r.rank(),
+          e.stage() + 1, e.bytes(), e.wait_us()));
+    }
+  }
+  return absl::StrCat(R"({"displayTimeUnit": "ms", "otherData": {"job": )", quoted(t.job_id()),
+                      R"(, "step": )", t.step(), "},\n \"traceEvents\": [\n  ",
+                      absl::StrJoin(events, ",\n  "), "\n]}\n");
+}
+
+int RunTrace(const std::string& job_id, int step, const std::string& out, const GlobalFlags& g) {
+  auto stub = Connect(g);
+  grpc::ClientContext ctx;
+  GetTraceRequest r;
+  r.set_job_id(job_id);
+  r.set_step(step);
+  StepTrace t;
+  grpc::Status s = stub->GetTrace(&ctx, r, &t);
+  if (!s.ok()) return Fail(kProgram, FromGrpc(s, g.coordinator));
+  std::ofstream file(out, std::ios::binary | std::ios::trunc);
+  file << ChromeTrace(t);
+  file.close();
+  if (!file) return Fail(kProgram, absl::PermissionDeniedError(absl::StrCat("cannot write '", out, "'")));
+  size_t events = 0;
+  for (const RankTrace& rank : t.ranks()) events += static_cast<size_t>(rank.events_size());
+  if (g.output == "json") {
+    std::cout << "{\"job_id\": \"" << job_id << "\", \"step\": " << t.step() << ", \"path\": \"" << out
+              << "\", \"events\": " << events << "}\n";
+  } else {
+    std::cout << "wrote step " << t.step() << " of " << job_id << " (" << t.ranks_size() << " ranks, " << events
+              << " events) to " << out << "; open it in https://ui.perfetto.dev or chrome://tracing\n";
+  }
+  return kExitOk;
+}
+
 }  // namespace
 
 void AddRemoteCommands(CLI::App& root, const GlobalFlags& globals, int* exit_code) {
@@ -442,6 +514,17 @@ void AddRemoteCommands(CLI::App& root, const GlobalFlags& globals, int* exit_cod
                              "submitted one) or an inference job's outputs (a torch.save file)");
   fetch->add_option("-o,--out", *out, "where to write it")->required();
   fetch->callback([g, job_id, out, exit_code] { *exit_code = RunFetch(*job_id, *out, *g); });
+  auto trace_out = std::make_shared<std::string>();
+  auto trace_step = std::make_shared<int>(-1);
+  CLI::App* trace = with_job("trace",
+                             "Write a step of a job as a Chrome trace-event file (Perfetto, chrome://tracing): one "
+                             "process per rank, one track per stage, every action timed with its bytes and waits");
+  trace->add_option("-o,--out", *trace_out, "where to write it (JSON)")->required();
+  trace->add_option("--step", *trace_step, "the step (default: the last; the coordinator keeps the last 4)")
+      ->check(CLI::Range(-1, 1 << 30));
+  trace->callback([g, job_id, trace_out, trace_step, exit_code] {
+    *exit_code = RunTrace(*job_id, *trace_step, *trace_out, *g);
+  });
 }
 
 }  // namespace pippy::cli

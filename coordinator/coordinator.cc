@@ -292,6 +292,46 @@ std::vector<WorkerInfo> Coordinator::ListWorkers() {
   return out;
 }
 
+absl::StatusOr<StepTrace> Coordinator::GetTrace(const std::string& job_id, int step) {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job '", job_id, "' (pippyctl list shows them)"));
+  const JobEntry& e = it->second;
+  StepTrace out;
+  out.set_job_id(job_id);
+  for (const auto& [s, ranks] : e.traces) out.add_available_steps(s);
+  if (e.traces.empty()) {
+    return absl::NotFoundError(absl::StrCat("job ", job_id, " has no traced step ",
+                                            Terminal(e.job.state()) && e.job.step() == 0
+                                                ? "(it ran no step)"
+                                                : "yet (a step is traced once every rank reported it)"));
+  }
+  auto t = step < 0 ? std::prev(e.traces.end()) : e.traces.find(step);
+  if (t == e.traces.end()) {
+    return absl::NotFoundError(absl::StrCat("job ", job_id, ": step ", step, " is not held; the coordinator keeps "
+                                            "the last ", kTracedSteps, " steps: ",
+                                            absl::StrJoin(out.available_steps(), ", ")));
+  }
+  out.set_step(t->first);
+  for (const auto& [rank, r] : t->second) {
+    RankTrace* rt = out.add_ranks();
+    rt->set_rank(rank);
+    const std::string& wid = rank < e.job.workers_size() ? e.job.workers(rank) : "";
+    auto w = workers_.find(wid);
+    rt->set_worker(w != workers_.end() ? w->second.info.name() : wid);
+    for (size_t s = 0; s < e.stage_to_rank.size(); ++s) {
+      if (e.stage_to_rank[s] == rank) rt->add_stages(static_cast<int>(s));
+    }
+    rt->set_steady_anchor_us(r.steady_anchor_us());
+    rt->set_unix_anchor_us(r.unix_anchor_us());
+    *rt->mutable_breakdown() = r.breakdown();
+    rt->mutable_breakdown()->set_rank(rank);
+    rt->mutable_breakdown()->set_step_seconds(r.step_seconds());
+    *rt->mutable_events() = r.events();
+  }
+  return out;
+}
+
 std::string Coordinator::AddWorker(const RegisterWorker& reg, std::shared_ptr<WorkerChannel> channel) {
   Outbox out;
   std::string id;
@@ -563,16 +603,24 @@ void Coordinator::OnWorkerMessage(const std::string& worker_id, const WorkerMess
         reports[m.step().rank()] = m.step();  // a repeated report replaces the earlier one
         if (static_cast<int>(reports.size()) == e.ranks) {
           double busy = 0, step_s = 0, loss = 0;
+          e.job.clear_breakdown();
           for (const auto& [rank, r] : reports) {
             busy += r.busy_seconds();
             step_s = std::max(step_s, r.step_seconds());
             if (r.has_loss()) loss = r.loss();
+            StepBreakdown* b = e.job.add_breakdown();
+            *b = r.breakdown();
+            b->set_rank(rank);
+            b->set_step_seconds(r.step_seconds());
           }
           e.job.set_step(m.step().step() + 1);
           if (e.job.spec().mode() == MODE_TRAIN) e.job.add_losses(loss);
           e.job.set_samples_per_second(step_s > 0 ? e.job.spec().batch_size() / step_s : 0);
           e.job.set_bubble_fraction(step_s > 0 ? std::max(0.0, 1.0 - busy / (e.ranks * step_s)) : 0);
+          // The complete step's trace is kept (the last kTracedSteps of them).
+          e.traces[m.step().step()] = std::move(reports);
           e.reports.erase(m.step().step());
+          while (static_cast<int>(e.traces.size()) > kTracedSteps) e.traces.erase(e.traces.begin());
           Touch(e);
         }
       } else if (m.has_finished()) {

@@ -94,6 +94,10 @@ class Coordinator {
   // Blocks until the job differs from `*version` (or `timeout`); updates *version.
   absl::StatusOr<Job> WaitForChange(const std::string& job_id, int64_t* version, absl::Duration timeout);
   std::vector<WorkerInfo> ListWorkers();
+  // The trace of step `step` (-1: the last complete one) of a job: every rank's timed
+  // actions. The coordinator keeps the last few steps of each job.
+  // Errors: NOT_FOUND for an unknown job or a step no longer (or not yet) held.
+  absl::StatusOr<StepTrace> GetTrace(const std::string& job_id, int step);
 
   // ---- workers ----
   std::string AddWorker(const RegisterWorker& info, std::shared_ptr<WorkerChannel> channel);
@@ -108,7 +112,8 @@ class Coordinator {
     std::vector<int64_t> share_bytes;   // by rank
     int64_t version = 0;
     std::map<int, std::string> addresses;             // rank -> UCX address
-    std::map<int, std::map<int, StepReport>> reports;  // step -> rank -> report
+    std::map<int, std::map<int, StepReport>> reports;  // step -> rank -> report, until complete
+    std::map<int, std::map<int, StepReport>> traces;   // the last kTracedSteps complete steps
     std::set<int> finished;                           // ranks that finished ok
     bool assembling = false;                          // the result is being assembled
     // PARTITIONING: the split stages, in memory, until they are sent or written out.
@@ -134,6 +139,8 @@ class Coordinator {
   // Writes a stage's TorchScript through a sink: from memory or from its file.
   using StageWriter =
       std::function<absl::Status(int stage, const std::function<absl::Status(absl::string_view)>& sink)>;
+
+  static constexpr int kTracedSteps = 4;
 
   explicit Coordinator(const Options& options) : options_(options) {}
   void Loop();

@@ -138,6 +138,13 @@ grpc::Status CoordinatorGrpc::ListWorkers(grpc::ServerContext*, const ListWorker
   return grpc::Status::OK;
 }
 
+grpc::Status CoordinatorGrpc::GetTrace(grpc::ServerContext*, const GetTraceRequest* request, StepTrace* response) {
+  auto trace = logic_->GetTrace(request->job_id(), request->step());
+  if (!trace.ok()) return ToGrpc(trace.status());
+  *response = std::move(*trace);
+  return grpc::Status::OK;
+}
+
 grpc::Status WorkerHubGrpc::Connect(grpc::ServerContext*,
                                     grpc::ServerReaderWriter<CoordinatorMessage, WorkerMessage>* stream) {
   WorkerMessage m;

@@ -23,6 +23,7 @@ class CoordinatorGrpc final : public pippy::Coordinator::Service {
   grpc::Status FetchModel(grpc::ServerContext*, const FetchModelRequest* request,
                           grpc::ServerWriter<ModelChunk>* writer) override;
   grpc::Status ListWorkers(grpc::ServerContext*, const ListWorkersRequest*, ListWorkersResponse* response) override;
+  grpc::Status GetTrace(grpc::ServerContext*, const GetTraceRequest* request, StepTrace* response) override;
 
  private:
   Coordinator* logic_;

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <map>
 #include <thread>
 
@@ -317,6 +318,28 @@ class Agent {
       sr->set_loss(res.loss);
       sr->set_busy_seconds(res.busy_seconds);
       sr->set_step_seconds(res.step_seconds);
+      StepBreakdown* bd = sr->mutable_breakdown();
+      bd->set_rank(a.rank());
+      bd->set_step_seconds(res.step_seconds);
+      bd->set_compute_seconds(res.breakdown.compute_seconds);
+      bd->set_wait_seconds(res.breakdown.wait_seconds);
+      bd->set_transport_seconds(res.breakdown.transport_seconds);
+      bd->set_optimizer_seconds(res.breakdown.optimizer_seconds);
+      bd->set_other_seconds(res.breakdown.other_seconds);
+      for (const stage::TraceEvent& t : res.trace) {
+        TraceEvent* e = sr->add_events();
+        e->set_name(t.name);
+        e->set_stage(t.stage);
+        e->set_begin_us(t.begin_us);
+        e->set_duration_us(t.duration_us);
+        e->set_bytes(t.bytes);
+        e->set_wait_us(t.wait_us);
+      }
+      // Read together: the trace's steady-clock times become wall-clock times.
+      sr->set_steady_anchor_us(std::chrono::duration_cast<std::chrono::microseconds>(
+                                   std::chrono::steady_clock::now().time_since_epoch())
+                                   .count());
+      sr->set_unix_anchor_us(absl::ToUnixMicros(absl::Now()));
       Write(rep);
       log::Info("job={} rank={} step={}{}", a.job_id(), a.rank(), step,
                 res.has_loss ? absl::StrCat(" loss=", res.loss) : "");

@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <set>
 #include <tuple>
 
@@ -35,6 +36,21 @@ double Seconds(std::chrono::steady_clock::time_point since) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
 }
 
+int64_t Micros(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::microseconds>(t.time_since_epoch()).count();
+}
+
+int64_t TensorBytes(const c10::IValue& v) {
+  if (v.isTensor()) return static_cast<int64_t>(v.toTensor().numel() * v.toTensor().element_size());
+  int64_t n = 0;
+  if (v.isTuple()) {
+    for (const auto& e : v.toTupleRef().elements()) n += TensorBytes(e);
+  } else if (v.isList()) {
+    for (const auto& e : v.toListRef()) n += TensorBytes(e);
+  }
+  return n;
+}
+
 }  // namespace
 
 struct RankRuntime::StepState {
@@ -64,6 +80,8 @@ struct RankRuntime::StepState {
   int live = 0;
   int peak = 0;
   double busy = 0;
+  int64_t bytes = 0;  // tensor bytes the action in progress sent or received
+  std::vector<TraceEvent> trace;
   std::vector<std::pair<std::shared_ptr<transport::Work>, std::string>> pending_sends;
 };
 
@@ -162,7 +180,9 @@ absl::Status RankRuntime::WaitFor(const std::shared_ptr<transport::Work>& work, 
     }
     waiting_ = work;
   }
+  const auto wait_start = std::chrono::steady_clock::now();
   absl::Status s = work->Wait(options_.timeout);
+  waited_us_ += Micros(std::chrono::steady_clock::now()) - Micros(wait_start);
   {
     absl::MutexLock lock(&cancel_mu_);
     waiting_.reset();
@@ -194,6 +214,7 @@ absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10:
     if (cancelled_) return absl::CancelledError(absl::StrCat("rank ", rank_, ": step ", step, " was cancelled"));
   }
   auto start = std::chrono::steady_clock::now();
+  waited_us_ = 0;
   StepState st;
   st.step = step;
   st.training = training;
@@ -230,19 +251,41 @@ absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10:
       return s;
     }
   }
-  for (auto& [work, where] : st.pending_sends) PIPPY_RETURN_IF_ERROR(WaitFor(work, where));
   StepResult result;
+  // The step's end, each piece timed like an action (wait excluded from its own kind).
+  auto timed = [&](const char* name, double* kind, const std::function<absl::Status()>& fn) -> absl::Status {
+    const auto begin = std::chrono::steady_clock::now();
+    const int64_t waited_before = waited_us_;
+    absl::Status s = fn();
+    const int64_t dur = Micros(std::chrono::steady_clock::now()) - Micros(begin);
+    const int64_t waited = waited_us_ - waited_before;
+    st.trace.push_back({name, -1, Micros(begin), dur, 0, waited});
+    *kind += static_cast<double>(dur - waited) * 1e-6;
+    return s;
+  };
+  StepBreakdown& bd = result.breakdown;
+  PIPPY_RETURN_IF_ERROR(timed("wait for sends", &bd.transport_seconds, [&]() -> absl::Status {
+    for (auto& [work, where] : st.pending_sends) PIPPY_RETURN_IF_ERROR(WaitFor(work, where));
+    return absl::OkStatus();
+  }));
   if (training) {
-    PIPPY_RETURN_IF_ERROR(SyncTiedGradients(st));
-    if (options_.clip_grad_norm > 0) {
-      PIPPY_ASSIGN_OR_RETURN(result.grad_norm, ClipGradients(step));
+    if (plan_.tied_size() > 0) {
+      PIPPY_RETURN_IF_ERROR(timed("tied-gradient sync", &bd.transport_seconds, [&] { return SyncTiedGradients(st); }));
     }
-    PIPPY_RETURN_IF_ERROR(TorchCall("optimizer step", [&] {
-      optimizer_->step();
-      for (auto& group : optimizer_->param_groups()) {
-        for (auto& p : group.params()) p.mutable_grad() = at::Tensor();
-      }
-    }, absl::StatusCode::kInternal));
+    if (options_.clip_grad_norm > 0) {
+      PIPPY_RETURN_IF_ERROR(timed("clip gradients", &bd.optimizer_seconds, [&]() -> absl::Status {
+        PIPPY_ASSIGN_OR_RETURN(result.grad_norm, ClipGradients(step));
+        return absl::OkStatus();
+      }));
+    }
+    PIPPY_RETURN_IF_ERROR(timed("optimizer step", &bd.optimizer_seconds, [&] {
+      return TorchCall("optimizer step", [&] {
+        optimizer_->step();
+        for (auto& group : optimizer_->param_groups()) {
+          for (auto& p : group.params()) p.mutable_grad() = at::Tensor();
+        }
+      }, absl::StatusCode::kInternal);
+    }));
     if (holds_last) {
       result.loss = st.loss_sum / st.m;
       result.has_loss = true;
@@ -253,25 +296,42 @@ absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10:
   result.busy_seconds = st.busy;
   result.peak_live_activations = st.peak;
   result.step_seconds = Seconds(start);
+  bd.wait_seconds = static_cast<double>(waited_us_) * 1e-6;
+  bd.compute_seconds = st.busy;
+  for (const TraceEvent& e : st.trace) {
+    if (e.stage >= 0 && (e.name.find("SEND") != std::string::npos || e.name.find("RECV") != std::string::npos)) {
+      bd.transport_seconds += static_cast<double>(e.duration_us - e.wait_us) * 1e-6;
+    }
+  }
+  bd.other_seconds = std::max(0.0, result.step_seconds - bd.compute_seconds - bd.wait_seconds -
+                                       bd.transport_seconds - bd.optimizer_seconds);
+  result.trace = std::move(st.trace);
   return result;
 }
 
 absl::Status RankRuntime::Execute(StepState& st, size_t pos, const Action& a) {
   const std::string where = absl::StrCat("rank ", rank_, " step ", st.step, " action #", pos, " (", a.ToString(), ")");
-  auto start = std::chrono::steady_clock::now();
+  const auto start = std::chrono::steady_clock::now();
+  const int64_t waited_before = waited_us_;
+  st.bytes = 0;
   absl::Status s;
+  bool compute = true;
   switch (a.type) {
     case ActionType::kForward: s = Forward(st, a.stage, a.microbatch); break;
     case ActionType::kBackward: s = Backward(st, a.stage, a.microbatch, true, true); break;
     case ActionType::kBackwardInput: s = Backward(st, a.stage, a.microbatch, true, false); break;
     case ActionType::kBackwardWeight: s = Backward(st, a.stage, a.microbatch, false, true); break;
-    case ActionType::kSendForward: return SendForward(st, a.stage, a.microbatch);
-    case ActionType::kRecvForward: return RecvForward(st, a.stage, a.microbatch, where);
-    case ActionType::kSendBackward: return SendBackward(st, a.stage, a.microbatch);
-    case ActionType::kRecvBackward: return RecvBackward(st, a.stage, a.microbatch, where);
+    case ActionType::kSendForward: s = SendForward(st, a.stage, a.microbatch); compute = false; break;
+    case ActionType::kRecvForward: s = RecvForward(st, a.stage, a.microbatch, where); compute = false; break;
+    case ActionType::kSendBackward: s = SendBackward(st, a.stage, a.microbatch); compute = false; break;
+    case ActionType::kRecvBackward: s = RecvBackward(st, a.stage, a.microbatch, where); compute = false; break;
   }
-  st.busy += Seconds(start);
-  if (!s.ok()) return absl::Status(s.code(), absl::StrCat(where, ": ", s.message()));
+  const int64_t duration = Micros(std::chrono::steady_clock::now()) - Micros(start);
+  st.trace.push_back({a.ToString(), a.stage, Micros(start), duration, st.bytes, waited_us_ - waited_before});
+  if (compute) {
+    st.busy += static_cast<double>(duration) * 1e-6;
+    if (!s.ok()) return absl::Status(s.code(), absl::StrCat(where, ": ", s.message()));
+  }
   return s;
 }
 
@@ -346,6 +406,7 @@ absl::Status RankRuntime::SendForward(StepState& st, int s, int mb) {
       if (peer == rank_) continue;
       Tag tag = MakeTag(Tag::Kind::kActivation, st.step, mb, s, c, static_cast<int>(j));
       c10::IValue v = it->second[j].isTensor() ? c10::IValue(it->second[j].toTensor().detach()) : it->second[j];
+      st.bytes += TensorBytes(v);
       st.pending_sends.emplace_back(transport_->Send(peer, tag, v),
                                     absl::StrCat("rank ", rank_, " sending ", tag.ToString(), " to rank ", peer));
     }
@@ -370,6 +431,7 @@ absl::Status RankRuntime::RecvForward(StepState& st, int s, int mb, const std::s
   for (auto& [k, work] : works) {
     PIPPY_RETURN_IF_ERROR(WaitFor(work, where));
     inbox[k] = work->Value();
+    st.bytes += TensorBytes(inbox[k]);
   }
   return absl::OkStatus();
 }
@@ -478,6 +540,7 @@ absl::Status RankRuntime::SendBackward(StepState& st, int s, int mb) {
     at::Tensor g;
     if (it != st.grads_to_send.end() && k < static_cast<int>(it->second.size())) g = it->second[k];
     Tag tag = MakeTag(Tag::Kind::kGradient, st.step, mb, s, si.source_stage(), si.source_output());
+    if (g.defined()) st.bytes += static_cast<int64_t>(g.numel() * g.element_size());
     st.pending_sends.emplace_back(transport_->Send(peer, tag, g.defined() ? c10::IValue(g) : c10::IValue()),
                                   absl::StrCat("rank ", rank_, " sending ", tag.ToString(), " to rank ", peer));
   }
@@ -514,6 +577,7 @@ absl::Status RankRuntime::RecvBackward(StepState& st, int s, int mb, const std::
                                               " where a gradient tensor was expected"));
     }
     const at::Tensor& g = v.toTensor();
+    st.bytes += static_cast<int64_t>(g.numel() * g.element_size());
     if (saved != st.saved.end() && static_cast<size_t>(j) < saved->second.outputs.size() &&
         saved->second.outputs[j].isTensor() && saved->second.outputs[j].toTensor().sizes() != g.sizes()) {
       return absl::DataLossError(absl::StrCat(where, ": rank ", peer, " sent a gradient of shape ",

@@ -49,6 +49,27 @@ struct RuntimeOptions {
   std::vector<ChunkSpec> input_chunks;        // per model input (default: dim 0)
 };
 
+// One timed piece of a step, for the trace: an action of the schedule ("1F3",
+// "0SEND_F3", ...) or the step's end ("wait for sends", "tied-gradient sync",
+// "clip", "optimizer").
+struct TraceEvent {
+  std::string name;
+  int stage = -1;                  // the action's stage; -1 for the rank's own work
+  int64_t begin_us = 0;            // steady clock (std::chrono::steady_clock), microseconds
+  int64_t duration_us = 0;
+  int64_t bytes = 0;               // tensor bytes sent or received
+  int64_t wait_us = 0;             // of the duration, blocked waiting for a peer
+};
+
+// Where a rank's step time went. The parts add up to step_seconds.
+struct StepBreakdown {
+  double compute_seconds = 0;      // F, B, I, W
+  double wait_seconds = 0;         // blocked on peers (receives, send completions, collectives)
+  double transport_seconds = 0;    // posting sends and receives, decoding (not waiting)
+  double optimizer_seconds = 0;    // the optimizer step and gradient clipping (not waiting)
+  double other_seconds = 0;        // the rest: micro-batch split, bookkeeping
+};
+
 struct StepResult {
   double loss = 0;                 // mean loss over the batch (last-stage rank only)
   bool has_loss = false;
@@ -57,6 +78,8 @@ struct StepResult {
   double step_seconds = 0;
   int peak_live_activations = 0;   // micro-batches holding autograd state, all local stages
   double grad_norm = 0;            // global norm before clipping (when clipping)
+  StepBreakdown breakdown;
+  std::vector<TraceEvent> trace;   // in the order they ran
 };
 
 class RankRuntime {
@@ -106,6 +129,7 @@ class RankRuntime {
   CollectiveContext Collectives(int step);
   absl::Status SyncTiedGradients(StepState& st);
   absl::StatusOr<double> ClipGradients(int step);
+  // Waits (deadline, Cancel()) and counts the time blocked into the step's wait.
   absl::Status WaitFor(const std::shared_ptr<transport::Work>& work, const std::string& where);
   std::vector<at::Tensor> LocalParameters(int stage) const;
 
@@ -121,6 +145,8 @@ class RankRuntime {
   std::map<int, std::vector<std::pair<at::Tensor, int>>> tied_params_;
   // consumers_[s][j]: (consumer stage, its input index) for output j of stage s.
   std::vector<std::vector<std::vector<std::pair<int, int>>>> consumers_;
+  // Time blocked in WaitFor since the step began (step thread only).
+  int64_t waited_us_ = 0;
   // Cancel(): set from any thread; the operation the step thread waits on.
   absl::Mutex cancel_mu_;
   bool cancelled_ ABSL_GUARDED_BY(cancel_mu_) = false;

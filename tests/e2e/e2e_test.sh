@@ -112,6 +112,32 @@ assert total < 1.3 * (model_bytes + data_bytes), (total, model_bytes)
 PY
 then ok "3-stage job: each worker received only its stage and data share"; else bad "3-stage job: bytes per worker"; cat "$TMP/three.err"; fi
 
+# The trace of that job's last step: a Chrome trace-event file (what Perfetto and
+# chrome://tracing read) with every rank's actions, and the breakdown in `status`.
+if ctl trace "$job" -o "$TMP/trace.json" > "$TMP/trace.out" &&
+   ctl status "$job" > "$TMP/three.status" && grep -q "waiting for peers" "$TMP/three.status" &&
+   /usr/bin/python3 - "$TMP/trace.json" <<'PY'
+import json, sys
+t = json.load(open(sys.argv[1]))
+events = t["traceEvents"]
+slices = [e for e in events if e["ph"] == "X"]
+meta = [e for e in events if e["ph"] == "M"]
+for e in slices:
+    assert isinstance(e["name"], str) and e["name"], e
+    for k in ("ts", "dur", "pid", "tid"):
+        assert isinstance(e[k], int) and e[k] >= 0, (k, e)
+    assert e["dur"] >= 1
+assert {m["pid"] for m in meta if m["name"] == "process_name"} == {0, 1, 2}
+names = {(e["pid"], e["name"]) for e in slices}
+for r in range(3):  # 1F1B, stage r on rank r, 8 micro-batches: every F and B
+    for mb in range(8):
+        assert (r, f"{r}F{mb}") in names and (r, f"{r}B{mb}") in names, (r, mb)
+    assert (r, "optimizer step") in names
+assert any(e["name"].startswith("0SEND_F") and e["args"]["bytes"] > 0 for e in slices)
+print(f"trace: {len(slices)} slices over 3 ranks, {len(meta)} track names")
+PY
+then ok "pippyctl trace writes a Chrome trace of every rank; status shows the breakdown"; else bad "trace"; cat "$TMP/trace.out"; fi
+
 # AdamW without --weight-decay uses torch's default (0.01), as torch.optim.AdamW does.
 if ctl submit "$ZOO/gpt.pt" --data "$TMP/gpt.data.pt" --microbatches 4 --batch-size 8 --steps 3 --loss model \
      --optimizer adamw --lr 0.001 --stages 2 --schedule 1f1b --wait > "$TMP/adamw.out" 2>&1 &&
