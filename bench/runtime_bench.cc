@@ -20,6 +20,7 @@
 #include "pipeline/schedule/schedule.h"
 #include "pipeline/schedule/simulator.h"
 #include "pipeline/stage/microbatch.h"
+#include "pipeline/stage/rank_runtime.h"
 #include "pipeline/stage/training.h"
 #include "pipeline/transport/loopback/loopback_transport.h"
 #include "ATen/Parallel.h"
@@ -39,6 +40,7 @@ struct PipelineFigures {
   int actions_rank0 = 0;
   int compute_actions_rank0 = 0;
   std::vector<int> peak;
+  stage::StepBreakdown breakdown_rank0;  // of the last step
 };
 
 PipelineFigures RunPipeline(const torch::jit::Module& model, const std::vector<c10::IValue>& inputs,
@@ -78,6 +80,7 @@ PipelineFigures RunPipeline(const torch::jit::Module& model, const std::vector<c
         if (r == 0 && s == 3) start = Now();  // after warm-up steps
         auto res = rts[r]->RunStep(s, data);
         if (res.ok()) f.peak[r] = std::max(f.peak[r], res->peak_live_activations);
+        if (res.ok() && r == 0) f.breakdown_rank0 = res->breakdown;
       }
     });
   }
@@ -88,21 +91,30 @@ PipelineFigures RunPipeline(const torch::jit::Module& model, const std::vector<c
   return f;
 }
 
-double ReferencePerMicrobatch(torch::jit::Module& model, const std::vector<c10::IValue>& inputs,
-                              const c10::IValue& target, int m, int steps) {
+// The unsplit model doing what one pipeline step does: m micro-batches' forward and
+// backward (loss scaled by 1/m), then an SGD step. Seconds per step.
+double ReferenceStep(torch::jit::Module& model, const std::vector<c10::IValue>& inputs, const c10::IValue& target,
+                     int m, int steps) {
   auto mbs = *stage::SplitIntoMicrobatches(inputs, m);
   auto tgs = *stage::SplitIntoMicrobatches({target}, m);
+  std::vector<at::Tensor> params;
+  for (const auto& p : model.parameters()) params.push_back(p);
+  stage::OptimizerOptions oo;
+  oo.lr = 1e-4;
+  auto opt = std::move(*stage::MakeOptimizer(oo, params));
   auto run = [&] {
     for (int i = 0; i < m; ++i) {
       at::Tensor out = model.forward(mbs[i]).toTensor();
       auto loss = *stage::ComputeLoss(LOSS_MSE, model, out, tgs[i][0]);
       torch::autograd::backward({loss / static_cast<double>(m)});
     }
+    opt->step();
+    opt->zero_grad();
   };
   for (int s = 0; s < 3; ++s) run();
   double start = Now();
   for (int s = 0; s < steps; ++s) run();
-  return (Now() - start) / steps / m;
+  return (Now() - start) / steps;
 }
 
 }  // namespace
@@ -116,24 +128,30 @@ int main() {
   auto target = *partition::LoadTorchSaved(std::string(zoo) + "mlp.target.pt");
   const int steps = 200;
 
+  const int m = 8;
   auto ref_model = *partition::LoadModel(std::string(zoo) + "mlp.pt");
-  const double ref_mb = ReferencePerMicrobatch(ref_model, inputs, target, 8, steps);
-  PipelineFigures f = RunPipeline(model, inputs, target, schedule::ScheduleKind::k1F1B, 2, 8, steps);
-  // Each rank does half the model per (F, B) pair; the reference does all of it.
-  const double compute_share = ref_mb / 2;  // per micro-batch, per rank (F + B)
-  const double per_action_us = f.seconds_per_step / f.actions_rank0 * 1e6;
-  const double overhead_us =
-      (f.seconds_per_step - compute_share * 8) / f.compute_actions_rank0 * 1e6;
-  std::printf("Per-action runtime overhead (zoo MLP, 16x32 activations, 1F1B, p=2, m=8, %d steps)\n", steps);
-  std::printf("%-58s %12s\n", "what", "value");
-  std::printf("%-58s %10.1f us\n", "reference: unsplit fwd+bwd per micro-batch (1 thread)", ref_mb * 1e6);
-  std::printf("%-58s %10.1f us\n", "pippy: step time (2 ranks as threads, loopback)", f.seconds_per_step * 1e6);
-  std::printf("%-58s %10d\n", "actions on rank 0 (compute + send/recv)", f.actions_rank0);
-  std::printf("%-58s %10.1f us\n", "pippy: wall time per action", per_action_us);
-  std::printf("%-58s %10.1f us\n", "pippy: overhead per compute action over the reference", overhead_us);
-  std::printf("%-58s %10.2fx\n", "step time / (reference per micro-batch x m / p)",
-              f.seconds_per_step / (compute_share * 8));
-
+  const double ref_step = ReferenceStep(ref_model, inputs, target, m, steps);
+  // One rank holding the whole model: the runtime's bookkeeping alone (no peer, no wait).
+  PipelineFigures one = RunPipeline(model, inputs, target, schedule::ScheduleKind::k1F1B, 1, m, steps);
+  const double one_overhead_us = (one.seconds_per_step - ref_step) / one.compute_actions_rank0 * 1e6;
+  // Two ranks (threads, loopback): where rank 0's step went.
+  PipelineFigures f = RunPipeline(model, inputs, target, schedule::ScheduleKind::k1F1B, 2, m, steps);
+  const auto& b = f.breakdown_rank0;
+  const double step_total = b.compute_seconds + b.wait_seconds + b.transport_seconds + b.optimizer_seconds +
+                            b.other_seconds;
+  std::printf("Stage-runtime overhead (zoo MLP: 8 Linear layers, 16x32 activations, 1F1B, m=%d, %d steps)\n", m,
+              steps);
+  std::printf("%-66s %12s\n", "what", "value");
+  std::printf("%-66s %10.1f us\n", "reference: unsplit model, m micro-batches fwd+bwd + SGD step", ref_step * 1e6);
+  std::printf("%-66s %10.1f us\n", "pippy, 1 rank holding the whole model (no peer): step", one.seconds_per_step * 1e6);
+  std::printf("%-66s %10.1f us\n", "  runtime overhead per compute action ((pippy - reference) / actions)",
+              one_overhead_us);
+  std::printf("%-66s %10.1f us\n", "pippy, 2 ranks (threads, loopback): step", f.seconds_per_step * 1e6);
+  std::printf("%-66s %10d\n", "  actions on rank 0 (compute + send/recv)", f.actions_rank0);
+  std::printf("%-66s %10.1f us\n", "  rank 0: compute (its half of the model)", b.compute_seconds * 1e6);
+  std::printf("%-66s %10.1f us\n", "  rank 0: waiting for rank 1 (bubble and peer compute)", b.wait_seconds * 1e6);
+  std::printf("%-66s %10.1f us\n", "  rank 0: transport, optimizer and the rest, per action",
+              (step_total - b.compute_seconds - b.wait_seconds) / f.actions_rank0 * 1e6);
   std::printf("\nPeak live activations per rank (micro-batches holding autograd state), m=8, p=4\n");
   std::printf("%-10s %-22s %-22s\n", "schedule", "runtime (measured)", "simulator");
   for (auto kind : {schedule::ScheduleKind::kGPipe, schedule::ScheduleKind::k1F1B}) {

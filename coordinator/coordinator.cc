@@ -615,6 +615,7 @@ void Coordinator::OnWorkerMessage(const std::string& worker_id, const WorkerMess
           }
           e.job.set_step(m.step().step() + 1);
           if (e.job.spec().mode() == MODE_TRAIN) e.job.add_losses(loss);
+          e.job.add_step_seconds(step_s);
           e.job.set_samples_per_second(step_s > 0 ? e.job.spec().batch_size() / step_s : 0);
           e.job.set_bubble_fraction(step_s > 0 ? std::max(0.0, 1.0 - busy / (e.ranks * step_s)) : 0);
           // The complete step's trace is kept (the last kTracedSteps of them).

@@ -25,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/cli.h"
 #include "common/log.h"
+#include "common/memory.h"
 #include "common/status.h"
 #include "google/protobuf/util/json_util.h"
 #include "pipeline/job/job_plan.h"
@@ -138,6 +139,7 @@ absl::Status Run(const Flags& f) {
   PIPPY_RETURN_IF_ERROR(ucx->Connect(addresses));
   PIPPY_ASSIGN_OR_RETURN(auto rank_job, job::RankJob::Create(spec, plan, f.rank, std::move(mine), ucx.get(),
                                                              absl::Seconds(f.timeout_s)));
+  KeepFreedMemory();  // the stages are loaded: from here on, buffers are reused step after step
   for (int step = 0; step < f.steps; ++step) {
     absl::StatusOr<stage::StepResult> res = rank_job->RunStep(step, data);
     if (!res.ok()) return absl::InternalError(std::string(res.status().message()));

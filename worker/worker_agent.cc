@@ -13,6 +13,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/chunker.h"
 #include "common/log.h"
+#include "common/memory.h"
 #include "common/status.h"
 #include "grpcpp/grpcpp.h"
 #include "pipeline/job/rank_job.h"
@@ -208,6 +209,7 @@ class Agent {
   void RunJob(Incoming in) {
     const Assignment a = in.assignment;
     absl::Status s = RunRank(std::move(in));
+    ReturnFreedMemory();  // idle, the worker does not keep its last job's peak
     if (absl::IsCancelled(s)) {
       log::Info("job={} rank={} stopped: {}", a.job_id(), a.rank(), s.message());
     } else if (!s.ok()) {
@@ -305,6 +307,7 @@ class Agent {
       running_ = nullptr;
     };
     const bool inference = rank_job->schedule().forward_only;
+    KeepFreedMemory();  // the stages are loaded: from here on, buffers are reused step after step
     std::vector<c10::IValue> outputs;  // inference: the last stage's merged outputs per step
     for (int step = 0; step < spec.steps(); ++step) {
       PIPPY_ASSIGN_OR_RETURN(stage::StepResult res, rank_job->RunStep(step, data));

@@ -12,8 +12,6 @@
 #include "torch/csrc/jit/ir/scope.h"
 #include "torch/csrc/jit/ir/constants.h"
 #include "torch/csrc/jit/passes/constant_propagation.h"
-#include "torch/csrc/jit/passes/dead_code_elimination.h"
-#include "torch/csrc/jit/passes/lower_tuples.h"
 
 namespace pippy::partition {
 namespace {
@@ -83,14 +81,14 @@ class Inliner {
   absl::Status InlineCall(Node* call, Node** first_inserted) {
     std::shared_ptr<Graph> callee;
     std::vector<Value*> inputs;
-    std::string path = ModulePath(call);
+    std::string path;  // the module whose code the call runs
     if (call->kind() == prim::CallMethod) {
       const std::string method = call->s(c10::attr::name);
       Value* obj = call->input(0);
       if (obj->type()->cast<c10::InterfaceType>()) {
         std::string where = obj->node()->kind() == prim::GetAttr ? obj->node()->s(c10::attr::name) : obj->debugName();
         return absl::InvalidArgumentError(absl::StrCat(
-            "cannot inline the call to '", where, ".", method, "' in module '", path,
+            "cannot inline the call to '", where, ".", method, "' in module '", ModulePath(call),
             "': '", where, "' is declared with the module interface ",
             obj->type()->repr_str(),
             ", so the module it runs is only known at run time; declare the attribute "
@@ -99,7 +97,7 @@ class Inliner {
       auto attr_path = AttributePath(obj, graph_->inputs()[0]);
       if (!attr_path) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "cannot inline the call to method '", method, "' in module '", path,
+            "cannot inline the call to method '", method, "' in module '", ModulePath(call),
             "': the module is not reached from self by attribute access (it comes from ",
             obj->node()->kind().toQualString(),
             "); index ModuleList/ModuleDict with constants or iterate over them"));
@@ -125,11 +123,12 @@ class Inliner {
       torch::jit::GraphFunction* fn = fn_type ? torch::jit::tryToGraphFunction(*fn_type->function()) : nullptr;
       if (fn == nullptr) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "cannot inline a function call in module '", path,
+            "cannot inline a function call in module '", ModulePath(call),
             "': the callee is not a TorchScript function; make it scriptable"));
       }
       callee = fn->graph();
       inputs.assign(call->inputs().begin() + 1, call->inputs().end());
+      path = ModulePath(call);
     }
     torch::jit::WithInsertPoint guard(call);
     Node* before = call->prev();
@@ -149,6 +148,115 @@ class Inliner {
   std::unordered_map<std::string, torch::jit::ScopePtr> scopes_;
   std::vector<Node*> markers_;
 };
+
+// Forwards tuples that are built and taken apart in the same graph (a module returning
+// several values to its caller): TupleUnpack and TupleIndex of a TupleConstruct use its
+// inputs directly. One linear pass (LibTorch's LowerSimpleTuples does more, slowly).
+void ForwardTuples(Block* b) {
+  for (Node* n : b->nodes()) {
+    for (Block* inner : n->blocks()) ForwardTuples(inner);
+    if (n->kind() == prim::TupleUnpack && n->input()->node()->kind() == prim::TupleConstruct) {
+      Node* built = n->input()->node();
+      if (built->inputs().size() != n->outputs().size()) continue;
+      for (size_t i = 0; i < n->outputs().size(); ++i) n->output(i)->replaceAllUsesWith(built->input(i));
+    } else if (n->kind() == prim::TupleIndex && n->input(0)->node()->kind() == prim::TupleConstruct) {
+      Node* built = n->input(0)->node();
+      auto index = torch::jit::constant_as<int64_t>(n->input(1));
+      if (!index) continue;
+      const int64_t size = static_cast<int64_t>(built->inputs().size());
+      const int64_t i = *index < 0 ? *index + size : *index;
+      if (i < 0 || i >= size) continue;
+      n->output()->replaceAllUsesWith(built->input(static_cast<size_t>(i)));
+    }
+  }
+}
+
+// Dead-code elimination without alias analysis: removes nodes whose outputs nobody
+// uses and that cannot change anything — no side effects, no argument they write,
+// no blocks. (LibTorch's pass builds an AliasDb of the whole graph to also remove
+// writes to dead values; keeping every possible write is what a split needs.)
+void RemoveUnusedNodes(Block* b) {
+  for (auto it = b->nodes().reverse().begin(); it != b->nodes().reverse().end();) {
+    Node* n = *it;
+    ++it;
+    for (Block* inner : n->blocks()) RemoveUnusedNodes(inner);
+    if (!n->blocks().empty() || n->hasSideEffects()) continue;
+    bool used = false;
+    for (Value* v : n->outputs()) used |= v->hasUses();
+    if (used) continue;
+    if (const c10::FunctionSchema* schema = n->maybeSchema(); schema != nullptr && schema->is_mutable()) continue;
+    if (n->kind().is_aten() && n->maybeSchema() == nullptr) continue;  // unknown op: keep
+    n->destroy();
+  }
+}
+
+// What constants decide, folded from the constants onwards: an op whose inputs are all
+// constants is run once and its outputs become constants; an `if` on a constant
+// condition is replaced by its taken branch (`if inplace:` in F.relu with ReLU's
+// constant `inplace`). LibTorch's ConstantPropagation tries every node of the graph;
+// this visits only what constants reach.
+void FoldFrom(Graph& graph, const std::vector<Value*>& constants) {
+  std::vector<Node*> work;
+  auto push_users = [&](Value* v) {
+    for (const torch::jit::Use& u : v->uses()) {
+      if (u.user->kind() != prim::Return) work.push_back(u.user);
+    }
+  };
+  for (Value* c : constants) push_users(c);
+  std::unordered_set<Node*> done;
+  while (!work.empty()) {
+    Node* n = work.back();
+    work.pop_back();
+    if (done.count(n)) continue;
+    if (n->kind() == prim::If) {
+      auto cond = torch::jit::constant_as<bool>(n->input(0));
+      if (!cond) continue;
+      done.insert(n);
+      Block* taken = n->blocks()[*cond ? 0 : 1];
+      for (Node* inner = taken->nodes().front(); inner != taken->return_node();) {
+        Node* next = inner->next();
+        inner->moveBefore(n);
+        inner = next;
+      }
+      for (size_t i = 0; i < n->outputs().size(); ++i) {
+        n->output(i)->replaceAllUsesWith(taken->outputs()[i]);
+        push_users(taken->outputs()[i]);
+      }
+      // The branch not taken goes with the `if`: its nodes may wait in `work`.
+      std::function<void(Block*)> forget = [&](Block* b) {
+        done.insert(b->return_node());
+        for (Node* inner : b->nodes()) {
+          done.insert(inner);
+          for (Block* deeper : inner->blocks()) forget(deeper);
+        }
+      };
+      for (Block* b : n->blocks()) forget(b);
+      n->destroy();
+      continue;
+    }
+    if (n->kind() == prim::Constant || !n->blocks().empty() || n->hasSideEffects() || n->isNondeterministic()) {
+      continue;
+    }
+    bool all_constant = true;
+    for (Value* in : n->inputs()) all_constant &= in->node()->kind() == prim::Constant;
+    if (!all_constant) continue;
+    done.insert(n);
+    auto outputs = torch::jit::runNodeIfInputsAreConstant(n);
+    if (!outputs || outputs->size() != n->outputs().size()) continue;
+    torch::jit::WithInsertPoint guard(n);
+    std::vector<Value*> folded;
+    for (const c10::IValue& v : *outputs) {
+      auto constant = torch::jit::tryInsertConstant(graph, v);
+      if (!constant) break;
+      folded.push_back(*constant);
+    }
+    if (folded.size() != n->outputs().size()) continue;  // not representable: leave it (and the new constants die)
+    for (size_t i = 0; i < folded.size(); ++i) {
+      n->output(i)->replaceAllUsesWith(folded[i]);
+      push_users(folded[i]);
+    }
+  }
+}
 
 bool HasSetAttr(const std::shared_ptr<Graph>& graph) {
   bool found = false;
@@ -184,10 +292,19 @@ void HoistAttributeReads(const std::shared_ptr<Graph>& graph) {
   };
   collect(graph->block());
   // `reads` is in graph order, so each chain's links stay after the link they read.
+  // A chain is hoisted when it starts at self (and, if forward() writes attributes,
+  // does not read one it writes); the path is only spelled out in that case.
+  auto rooted_at_self = [self](const Value* v) {
+    while (v != self) {
+      if (v->node()->kind() != prim::GetAttr) return false;
+      v = v->node()->input(0);
+    }
+    return true;
+  };
   Node* last = graph->block()->param_node();
   for (Node* n : reads) {
-    auto path = AttributePath(n->output(), self);
-    if (!path || written.count(absl::StrJoin(*path, "."))) continue;
+    if (!rooted_at_self(n->output())) continue;
+    if (!written.empty() && written.count(absl::StrJoin(*AttributePath(n->output(), self), "."))) continue;
     if (n != last) n->moveAfter(last);
     last = n;
   }
@@ -198,6 +315,14 @@ void HoistAttributeReads(const std::shared_ptr<Graph>& graph) {
 // folds what they decide (`if self.inplace:`), so that alias analysis sees what the
 // model really does. `training` stays a real attribute; so do attributes that
 // forward() writes.
+// Every constant of the graph, in blocks too.
+void CollectConstants(Block* b, std::vector<Value*>* out) {
+  for (Node* n : b->nodes()) {
+    if (n->kind() == prim::Constant) out->push_back(n->output());
+    for (Block* inner : n->blocks()) CollectConstants(inner, out);
+  }
+}
+
 void FoldConfigurationAttributes(std::shared_ptr<Graph>& graph, const torch::jit::Module& model) {
   Value* self = graph->inputs()[0];
   std::vector<Node*> reads;
@@ -220,8 +345,6 @@ void FoldConfigurationAttributes(std::shared_ptr<Graph>& graph, const torch::jit
     n->output()->replaceAllUsesWith(*constant);
     n->destroy();
   }
-  torch::jit::ConstantPropagationImmutableTypes(graph);
-  torch::jit::EliminateDeadCode(graph);
 }
 
 }  // namespace
@@ -249,10 +372,14 @@ absl::StatusOr<InlinedForward> InlineForward(const torch::jit::Module& model) {
     out.graph = model.get_method("forward").graph()->copy();
     Inliner inliner(model, out.graph);
     PIPPY_RETURN_IF_ERROR(inliner.Run());
-    torch::jit::LowerSimpleTuples(out.graph);
-    torch::jit::EliminateDeadCode(out.graph);
+    ForwardTuples(out.graph->block());
+    RemoveUnusedNodes(out.graph->block());
     HoistAttributeReads(out.graph);
     if (!HasSetAttr(out.graph)) FoldConfigurationAttributes(out.graph, model);
+    std::vector<Value*> constants;
+    CollectConstants(out.graph->block(), &constants);
+    FoldFrom(*out.graph, constants);
+    RemoveUnusedNodes(out.graph->block());
     // Markers become cut positions; the identity call itself disappears.
     std::unordered_set<Node*> marker_set(inliner.markers().begin(), inliner.markers().end());
     for (Node* marker : inliner.markers()) {
