@@ -149,7 +149,7 @@ void ArtifactStore::RemoveJobFiles(const std::string& job_id) {
 }
 
 absl::Status ArtifactStore::StreamFile(const std::string& path, size_t chunk_bytes,
-                                       const std::function<bool(absl::string_view)>& sink) {
+                                       const std::function<absl::Status(absl::string_view)>& sink) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open '", path, "'"));
   std::vector<char> buf(chunk_bytes);
@@ -157,7 +157,8 @@ absl::Status ArtifactStore::StreamFile(const std::string& path, size_t chunk_byt
     in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
     const std::streamsize n = in.gcount();
     if (n <= 0) break;
-    if (!sink(absl::string_view(buf.data(), static_cast<size_t>(n)))) return absl::CancelledError("stopped");
+    absl::Status s = sink(absl::string_view(buf.data(), static_cast<size_t>(n)));
+    if (!s.ok()) return s;
   }
   if (in.bad()) return absl::UnavailableError(absl::StrCat("reading '", path, "' failed"));
   return absl::OkStatus();

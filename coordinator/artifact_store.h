@@ -94,10 +94,11 @@ class ArtifactStore {
   // Removes the job's folder (its inputs and results); what FetchModel serves stays.
   void RemoveJobFiles(const std::string& job_id);
 
-  // Reads `path` in chunks of at most `chunk_bytes` and hands each to `sink` until it
-  // returns false (then returns CANCELLED). Errors: NOT_FOUND naming the file.
+  // Reads `path` in pieces of at most `chunk_bytes` and hands each to `sink`; the
+  // sink's first error stops the reading and is returned.
+  // Errors: NOT_FOUND naming the file; UNAVAILABLE when reading fails.
   static absl::Status StreamFile(const std::string& path, size_t chunk_bytes,
-                                 const std::function<bool(absl::string_view)>& sink);
+                                 const std::function<absl::Status(absl::string_view)>& sink);
   // Size of a file, or -1.
   static int64_t FileSize(const std::string& path);
 

@@ -1,7 +1,6 @@
 #include "coordinator/coordinator.h"
 
 #include <algorithm>
-#include <filesystem>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -20,12 +19,12 @@ int64_t NowMs() { return absl::ToUnixMillis(absl::Now()); }
 
 bool Terminal(JobState s) { return s == SUCCEEDED || s == FAILED || s == CANCELLED; }
 
-std::string StagesOfRank(const std::vector<int>& stage_to_rank, int rank) {
-  std::vector<std::string> out;
+std::vector<int> StagesOfRank(const std::vector<int>& stage_to_rank, int rank) {
+  std::vector<int> out;
   for (size_t s = 0; s < stage_to_rank.size(); ++s) {
-    if (stage_to_rank[s] == rank) out.push_back(absl::StrCat(s));
+    if (stage_to_rank[s] == rank) out.push_back(static_cast<int>(s));
   }
-  return absl::StrJoin(out, ",");
+  return out;
 }
 
 }  // namespace
@@ -319,9 +318,7 @@ absl::StatusOr<StepTrace> Coordinator::GetTrace(const std::string& job_id, int s
     const std::string& wid = rank < e.job.workers_size() ? e.job.workers(rank) : "";
     auto w = workers_.find(wid);
     rt->set_worker(w != workers_.end() ? w->second.info.name() : wid);
-    for (size_t s = 0; s < e.stage_to_rank.size(); ++s) {
-      if (e.stage_to_rank[s] == rank) rt->add_stages(static_cast<int>(s));
-    }
+    for (int s : StagesOfRank(e.stage_to_rank, rank)) rt->add_stages(s);
     rt->set_steady_anchor_us(r.steady_anchor_us());
     rt->set_unix_anchor_us(r.unix_anchor_us());
     *rt->mutable_breakdown() = r.breakdown();
@@ -375,7 +372,8 @@ void Coordinator::RemoveWorker(const std::string& worker_id, const std::string& 
       if (job != jobs_.end() && !Terminal(job->second.job.state())) {
         Finish(job->second, FAILED,
                absl::StrCat("worker ", info.name(), " (", worker_id, ", rank ", info.rank(), ", stages ",
-                            StagesOfRank(job->second.stage_to_rank, info.rank()), ") ", why),
+                            absl::StrJoin(StagesOfRank(job->second.stage_to_rank, info.rank()), ","), ") ",
+                            why),
                &out);
       }
     }
@@ -421,13 +419,7 @@ void Coordinator::Schedule() {
     it = queue_.erase(it);
     std::vector<RankSend> sends = Place(e, idle);
     StageWriter from_files = [this, job_id](int stage, const std::function<absl::Status(absl::string_view)>& sink) {
-      absl::Status sink_error;
-      absl::Status s = ArtifactStore::StreamFile(artifacts_->StagePath(job_id, stage), options_.chunk_bytes,
-                                                 [&](absl::string_view piece) {
-                                                   sink_error = sink(piece);
-                                                   return sink_error.ok();
-                                                 });
-      return sink_error.ok() ? s : sink_error;
+      return ArtifactStore::StreamFile(artifacts_->StagePath(job_id, stage), options_.chunk_bytes, sink);
     };
     for (RankSend& send : sends) {
       tasks_.Run([this, send = std::move(send), from_files] {
@@ -465,14 +457,13 @@ std::vector<Coordinator::RankSend> Coordinator::Place(JobEntry& e, const std::ve
     as->set_world_size(static_cast<int>(workers.size()));
     // The schedule was made and validated at submission; it cannot fail here.
     *as->mutable_plan() = sched.ok() ? job::PlanSliceFor(e.job.plan(), *sched, rank) : e.job.plan();
-    for (size_t s = 0; s < e.stage_to_rank.size(); ++s) {
-      if (e.stage_to_rank[s] != rank) continue;
+    send.stages = StagesOfRank(e.stage_to_rank, rank);
+    for (int s : send.stages) {
       Assignment::StageFile* f = as->add_stages();
-      f->set_stage(static_cast<int>(s));
+      f->set_stage(s);
       // Known when the stage came from a file; else the worker learns it as it comes.
-      if (static_cast<int>(s) < e.job.stage_file_bytes_size()) f->set_bytes(e.job.stage_file_bytes(static_cast<int>(s)));
-      w.info.add_stages(static_cast<int>(s));
-      send.stages.push_back(static_cast<int>(s));
+      if (s < e.job.stage_file_bytes_size()) f->set_bytes(e.job.stage_file_bytes(s));
+      w.info.add_stages(s);
     }
     as->set_data_bytes(e.share_bytes[r]);
     sends.push_back(std::move(send));
@@ -524,13 +515,10 @@ void Coordinator::SendRank(const RankSend& send, const StageWriter& writer, std:
     c->set_last_chunk(last);
     return send.channel->Send(m) ? absl::OkStatus() : gone;
   });
-  absl::Status s, sink_error;
+  absl::Status s;
   if (ArtifactStore::FileSize(send.share_file) > 0) {
-    s = ArtifactStore::StreamFile(send.share_file, options_.chunk_bytes, [&](absl::string_view piece) {
-      sink_error = data.Append(piece);
-      return sink_error.ok();
-    });
-    if (!sink_error.ok()) s = sink_error;
+    s = ArtifactStore::StreamFile(send.share_file, options_.chunk_bytes,
+                                  [&](absl::string_view piece) { return data.Append(piece); });
   }
   if (s.ok()) s = data.Finish();
   if (!s.ok()) {
@@ -651,16 +639,14 @@ void Coordinator::OnWorkerMessage(const std::string& worker_id, const WorkerMess
 
 void Coordinator::Assemble(const std::string& job_id, bool inference, int stages) {
   const auto start = absl::Now();
-  const std::string assembled = artifacts_->JobDir(job_id) + "/assembled.pt";
+  // Inference: the outputs file as the last rank sent it; training: the merged model.
+  const std::string assembled =
+      inference ? artifacts_->OutputsPath(job_id) : artifacts_->JobDir(job_id) + "/assembled.pt";
   absl::Status s;
   if (!artifacts_->ResultsComplete(job_id, inference ? -1 : stages)) {
     s = absl::DataLossError(inference ? "the last rank finished without sending all of its outputs"
                                       : "a rank finished without sending all of its trained stages");
-  } else if (inference) {
-    std::error_code ec;
-    std::filesystem::rename(artifacts_->OutputsPath(job_id), assembled, ec);
-    if (ec) s = absl::UnavailableError(absl::StrCat("cannot keep the outputs: ", ec.message()));
-  } else {
+  } else if (!inference) {
     std::map<int, std::string> results;
     for (int st = 0; st < stages; ++st) results[st] = artifacts_->ResultPath(job_id, st);
     s = AcquireModelSlot();

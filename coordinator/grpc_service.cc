@@ -123,13 +123,11 @@ grpc::Status CoordinatorGrpc::FetchModel(grpc::ServerContext*, const FetchModelR
   auto path = logic_->ResultPath(request->job_id());
   if (!path.ok()) return ToGrpc(path.status());
   constexpr size_t kChunk = 1 << 20;
-  absl::Status s = ArtifactStore::StreamFile(*path, kChunk, [&](absl::string_view piece) {
+  return ToGrpc(ArtifactStore::StreamFile(*path, kChunk, [&](absl::string_view piece) {
     ModelChunk c;
     c.set_data(piece.data(), piece.size());
-    return writer->Write(c);
-  });
-  if (absl::IsCancelled(s)) return grpc::Status(grpc::StatusCode::CANCELLED, "the client stopped reading");
-  return ToGrpc(s);
+    return writer->Write(c) ? absl::OkStatus() : absl::CancelledError("the client stopped reading");
+  }));
 }
 
 grpc::Status CoordinatorGrpc::ListWorkers(grpc::ServerContext*, const ListWorkersRequest*,

@@ -121,8 +121,8 @@ absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::stri
 
   // The data, and its first micro-batch as the example that checks it fits.
   PIPPY_ASSIGN_OR_RETURN(std::string data_bytes, DataBytes(spec, dir));
-  PIPPY_ASSIGN_OR_RETURN(stage::DataSource data,
-                         stage::DataSource::FromBytes(data_bytes, partition::ForwardArgumentNames(model)));
+  const std::vector<std::string> names = partition::ForwardArgumentNames(model);
+  PIPPY_ASSIGN_OR_RETURN(stage::DataSource data, stage::DataSource::FromBytes(data_bytes, names));
   data_bytes.clear();
   data_bytes.shrink_to_fit();
   if (train && !data.has_targets()) return Bad("data", "training needs \"targets\" in the data file");
@@ -130,7 +130,6 @@ absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::stri
     return Bad("steps", "an inference job reads each sample at most a few times; lower steps or batch_size");
   }
   const int m = spec.schedule().microbatches();
-  std::vector<std::string> names = partition::ForwardArgumentNames(model);
   PIPPY_ASSIGN_OR_RETURN(auto mb_inputs, Field("data", stage::SplitIntoMicrobatches(
                                                            data.Inputs(0, spec.batch_size()), m, {}, names)));
   const std::vector<c10::IValue>& example = mb_inputs[0];

@@ -80,6 +80,7 @@ struct RankRuntime::StepState {
   int live = 0;
   int peak = 0;
   double busy = 0;
+  double transport = 0;  // SEND/RECV actions, their waits excluded
   int64_t bytes = 0;  // tensor bytes the action in progress sent or received
   std::vector<TraceEvent> trace;
   std::vector<std::pair<std::shared_ptr<transport::Work>, std::string>> pending_sends;
@@ -298,11 +299,7 @@ absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10:
   result.step_seconds = Seconds(start);
   bd.wait_seconds = static_cast<double>(waited_us_) * 1e-6;
   bd.compute_seconds = st.busy;
-  for (const TraceEvent& e : st.trace) {
-    if (e.stage >= 0 && (e.name.find("SEND") != std::string::npos || e.name.find("RECV") != std::string::npos)) {
-      bd.transport_seconds += static_cast<double>(e.duration_us - e.wait_us) * 1e-6;
-    }
-  }
+  bd.transport_seconds += st.transport;
   bd.other_seconds = std::max(0.0, result.step_seconds - bd.compute_seconds - bd.wait_seconds -
                                        bd.transport_seconds - bd.optimizer_seconds);
   result.trace = std::move(st.trace);
@@ -310,7 +307,8 @@ absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10:
 }
 
 absl::Status RankRuntime::Execute(StepState& st, size_t pos, const Action& a) {
-  const std::string where = absl::StrCat("rank ", rank_, " step ", st.step, " action #", pos, " (", a.ToString(), ")");
+  std::string name = a.ToString();
+  const std::string where = absl::StrCat("rank ", rank_, " step ", st.step, " action #", pos, " (", name, ")");
   const auto start = std::chrono::steady_clock::now();
   const int64_t waited_before = waited_us_;
   st.bytes = 0;
@@ -327,11 +325,14 @@ absl::Status RankRuntime::Execute(StepState& st, size_t pos, const Action& a) {
     case ActionType::kRecvBackward: s = RecvBackward(st, a.stage, a.microbatch, where); compute = false; break;
   }
   const int64_t duration = Micros(std::chrono::steady_clock::now()) - Micros(start);
-  st.trace.push_back({a.ToString(), a.stage, Micros(start), duration, st.bytes, waited_us_ - waited_before});
-  if (compute) {
-    st.busy += static_cast<double>(duration) * 1e-6;
-    if (!s.ok()) return absl::Status(s.code(), absl::StrCat(where, ": ", s.message()));
+  const int64_t waited = waited_us_ - waited_before;
+  st.trace.push_back({std::move(name), a.stage, Micros(start), duration, st.bytes, waited});
+  if (!compute) {
+    st.transport += static_cast<double>(duration - waited) * 1e-6;
+    return s;
   }
+  st.busy += static_cast<double>(duration) * 1e-6;
+  if (!s.ok()) return absl::Status(s.code(), absl::StrCat(where, ": ", s.message()));
   return s;
 }
 
