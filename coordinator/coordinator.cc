@@ -90,7 +90,7 @@ absl::Status Coordinator::AcquireModelSlot() {
   auto free_or_stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !model_in_memory_ || stop_; };
   // No deadline needed: whoever holds the slot lets go when its own bounded work ends.
   mu_.Await(absl::Condition(&free_or_stopping));
-  if (stop_) return absl::UnavailableError("the coordinator is stopping");
+  if (stop_) return absl::UnavailableError("the coordinator is stopping; submit again once it is back");
   model_in_memory_ = true;
   return absl::OkStatus();
 }
@@ -644,8 +644,9 @@ void Coordinator::Assemble(const std::string& job_id, bool inference, int stages
       inference ? artifacts_->OutputsPath(job_id) : artifacts_->JobDir(job_id) + "/assembled.pt";
   absl::Status s;
   if (!artifacts_->ResultsComplete(job_id, inference ? -1 : stages)) {
-    s = absl::DataLossError(inference ? "the last rank finished without sending all of its outputs"
-                                      : "a rank finished without sending all of its trained stages");
+    s = absl::DataLossError(inference ? "the last rank finished without sending all of its outputs; submit the job again"
+                                      : "a rank finished without sending all of its trained stages; submit the job "
+                                        "again");
   } else if (!inference) {
     std::map<int, std::string> results;
     for (int st = 0; st < stages; ++st) results[st] = artifacts_->ResultPath(job_id, st);
