@@ -109,6 +109,12 @@ std::string ModeName(Mode mode) {
 
 double DefaultWeightDecay(OptimizerKind optimizer) { return optimizer == OPTIMIZER_ADAMW ? 0.01 : 0.0; }
 
+bool CheckpointAfter(const JobSpec& spec, int steps_done) {
+  const int every = spec.fault_tolerance().checkpoint_every();
+  return spec.mode() == MODE_TRAIN && every > 0 && steps_done > 0 && steps_done < spec.steps() &&
+         steps_done % every == 0;
+}
+
 absl::Status CheckSpec(JobSpec* spec) {
   ScheduleSpec* sched = spec->mutable_schedule();
   if (sched->kind() == SCHEDULE_KIND_UNSPECIFIED) return Bad("schedule.kind", "missing (e.g. 1f1b)");
@@ -159,6 +165,13 @@ absl::Status CheckSpec(JobSpec* spec) {
     if (!(o->eps() > 0)) return Bad("optimizer.eps", "must be > 0");
     if (o->clip_grad_norm() < 0) return Bad("optimizer.clip_grad_norm", "must not be negative (0: no clipping)");
   }
+  FaultToleranceSpec* ft = spec->mutable_fault_tolerance();
+  if (!ft->has_checkpoint_every()) ft->set_checkpoint_every(kDefaultCheckpointEvery);
+  if (!ft->has_max_restarts()) ft->set_max_restarts(kDefaultMaxRestarts);
+  if (!ft->has_recovery_timeout_s()) ft->set_recovery_timeout_s(kDefaultRecoveryTimeoutS);
+  if (ft->checkpoint_every() < 0) return Bad("fault_tolerance.checkpoint_every", "must not be negative (0: none)");
+  if (ft->max_restarts() < 0) return Bad("fault_tolerance.max_restarts", "must not be negative (0: no restart)");
+  if (!(ft->recovery_timeout_s() > 0)) return Bad("fault_tolerance.recovery_timeout_s", "must be > 0");
   return absl::OkStatus();
 }
 

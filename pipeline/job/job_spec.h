@@ -40,8 +40,20 @@ std::string ModeName(Mode mode);
 // torch.optim's default weight decay: 0.01 for AdamW, 0 otherwise.
 double DefaultWeightDecay(OptimizerKind optimizer);
 
+// Fault tolerance's defaults: a checkpoint every 50 steps, 3 restarts, 300 s to find
+// the workers for a restart.
+inline constexpr int kDefaultCheckpointEvery = 50;
+inline constexpr int kDefaultMaxRestarts = 3;
+inline constexpr double kDefaultRecoveryTimeoutS = 300;
+
+// Whether a checkpoint is taken once `steps_done` steps of the job are done: every
+// checkpoint_every steps of a training job, except after the last step.
+// REQUIRES: CheckSpec(&spec) passed.
+bool CheckpointAfter(const JobSpec& spec, int steps_done);
+
 // Checks the fields of `spec` that need neither the model nor the data, and fills in
-// defaults: the mode from the schedule, stages per worker, weight decay, betas and eps.
+// defaults: the mode from the schedule, stages per worker, weight decay, betas and eps,
+// and fault tolerance's.
 // Errors: INVALID_ARGUMENT whose message starts with the field ("optimizer.lr: must
 // be > 0").
 absl::Status CheckSpec(JobSpec* spec);

@@ -107,5 +107,32 @@ TEST(CheckSpec, InferenceSchedule_ImpliesInferenceMode_AndNeedsNoOptimizer) {
   EXPECT_EQ(spec.mode(), MODE_INFERENCE);
 }
 
+TEST(CheckSpec, FaultTolerance_DefaultsAndLimits) {
+  JobSpec spec = TrainSpec();
+  spec.set_steps(120);
+  ASSERT_TRUE(CheckSpec(&spec).ok());
+  EXPECT_EQ(spec.fault_tolerance().checkpoint_every(), 50);
+  EXPECT_EQ(spec.fault_tolerance().max_restarts(), 3);
+  EXPECT_DOUBLE_EQ(spec.fault_tolerance().recovery_timeout_s(), 300);
+  // After steps 50 and 100, never after the last one or before the first.
+  EXPECT_FALSE(CheckpointAfter(spec, 0));
+  EXPECT_TRUE(CheckpointAfter(spec, 50));
+  EXPECT_FALSE(CheckpointAfter(spec, 51));
+  EXPECT_TRUE(CheckpointAfter(spec, 100));
+  spec.set_steps(100);
+  EXPECT_FALSE(CheckpointAfter(spec, 100));
+  spec.mutable_fault_tolerance()->set_checkpoint_every(0);  // explicitly none
+  ASSERT_TRUE(CheckSpec(&spec).ok());
+  EXPECT_EQ(spec.fault_tolerance().checkpoint_every(), 0);
+  EXPECT_FALSE(CheckpointAfter(spec, 50));
+
+  JobSpec bad = TrainSpec();
+  bad.mutable_fault_tolerance()->set_max_restarts(-1);
+  EXPECT_THAT(std::string(CheckSpec(&bad).message()), HasSubstr("fault_tolerance.max_restarts"));
+  bad = TrainSpec();
+  bad.mutable_fault_tolerance()->set_recovery_timeout_s(0);
+  EXPECT_THAT(std::string(CheckSpec(&bad).message()), HasSubstr("fault_tolerance.recovery_timeout_s: must be > 0"));
+}
+
 }  // namespace
 }  // namespace pippy::job

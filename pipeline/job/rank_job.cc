@@ -1,8 +1,13 @@
 #include "pipeline/job/rank_job.h"
 
+#include <mutex>
+#include <sstream>
+
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "common/torch_status.h"
 #include "pipeline/job/job_plan.h"
+#include "torch/serialize.h"
 
 namespace pippy::job {
 
@@ -42,6 +47,58 @@ absl::StatusOr<stage::StepResult> RankJob::RunStep(int step, const stage::DataSo
   const int64_t batch = spec_.batch_size();
   if (schedule_.forward_only) return runtime_->InferenceStep(step, data.Inputs(step, batch));
   return runtime_->TrainStep(step, data.Inputs(step, batch), data.Target(step, batch));
+}
+
+}  // namespace pippy::job
+
+namespace pippy::job {
+
+absl::StatusOr<std::string> RankJob::SaveState() {
+  return TorchCall("saving the rank's training state", [&]() -> absl::StatusOr<std::string> {
+    torch::serialize::OutputArchive archive;
+    archive.write("pippy_rank", torch::tensor(static_cast<int64_t>(rank_)));
+    at::Generator gen = at::detail::getDefaultCPUGenerator();  // a handle to the process's generator
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      archive.write("rng_state", gen.get_state());
+    }
+    if (torch::optim::Optimizer* opt = runtime_->optimizer()) {
+      torch::serialize::OutputArchive optimizer;
+      opt->save(optimizer);
+      archive.write("optimizer", optimizer);
+    }
+    std::ostringstream out;
+    archive.save_to(out);
+    return std::move(out).str();
+  }, absl::StatusCode::kInternal);
+}
+
+absl::Status RankJob::RestoreState(absl::string_view bytes) {
+  return TorchCall("restoring the rank's training state", [&]() -> absl::Status {
+    torch::serialize::InputArchive archive;
+    archive.load_from(bytes.data(), bytes.size());
+    at::Tensor rank;
+    archive.read("pippy_rank", rank);
+    if (rank.item<int64_t>() != rank_) {
+      return absl::DataLossError(absl::StrCat("the checkpoint's training state is rank ", rank.item<int64_t>(),
+                                              "'s, not rank ", rank_, "'s"));
+    }
+    at::Tensor rng;
+    archive.read("rng_state", rng);
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(rng);
+    }
+    if (torch::optim::Optimizer* opt = runtime_->optimizer()) {
+      torch::serialize::InputArchive optimizer;
+      if (!archive.try_read("optimizer", optimizer)) {
+        return absl::DataLossError("the checkpoint's training state has no optimizer state");
+      }
+      opt->load(optimizer);
+    }
+    return absl::OkStatus();
+  }, absl::StatusCode::kDataLoss);
 }
 
 }  // namespace pippy::job

@@ -44,6 +44,17 @@ class RankJob {
   // for an inference job (the last stage's rank returns the merged output).
   absl::StatusOr<stage::StepResult> RunStep(int step, const stage::DataSource& data);
 
+  // The rank's training state after a step, for a checkpoint: the optimizer's state
+  // and this process's random number generator (dropout draws from it). The stages'
+  // parameters and buffers are not in it: they are in the stage modules (stages()),
+  // which a checkpoint saves as TorchScript. Errors: INTERNAL from LibTorch.
+  absl::StatusOr<std::string> SaveState();
+  // Restores what SaveState wrote, before the first step of a resumed job, so that the
+  // resumed steps compute exactly what the uninterrupted ones would have. Errors:
+  // DATA_LOSS when the bytes do not parse, come from another rank or do not fit this
+  // rank's optimizer.
+  absl::Status RestoreState(absl::string_view bytes);
+
   // See RankRuntime::Cancel.
   void Cancel() { runtime_->Cancel(); }
 

@@ -110,6 +110,11 @@ class RankRuntime {
   // The stage modules this rank holds (their parameters are trained in place).
   const std::map<int, torch::jit::Module>& stages() const { return stages_; }
 
+  // The optimizer's state (torch.optim's: SGD's momentum buffers, Adam's moments and
+  // step counts), for a checkpoint; between steps only. A forward-only runtime has none
+  // (nullptr).
+  torch::optim::Optimizer* optimizer() { return optimizer_.get(); }
+
   ~RankRuntime();
 
  private:
