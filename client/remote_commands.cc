@@ -16,6 +16,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/commands.h"
 #include "client/table.h"
 #include "common/cli.h"
@@ -51,6 +53,10 @@ bool Terminal(JobState s) { return s == SUCCEEDED || s == FAILED || s == CANCELL
 std::unique_ptr<Coordinator::Stub> Connect(const GlobalFlags& g) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
+  // Dial again quickly after the coordinator went away (watch follows it through a restart).
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   return Coordinator::NewStub(grpc::CreateCustomChannel(g.coordinator, grpc::InsecureChannelCredentials(), args));
 }
 
@@ -73,6 +79,17 @@ void PrintJob(const Job& j) {
     std::cout << "; stage files " << absl::StrJoin(sizes, ", ");
   }
   std::cout << "\n";
+  if (j.spec().mode() == MODE_TRAIN) {
+    const FaultToleranceSpec& ft = j.spec().fault_tolerance();
+    std::cout << "  checkpoint: "
+              << (j.checkpoint_step() > 0 ? absl::StrCat("after step ", j.checkpoint_step()) : std::string("none yet"))
+              << " (every " << ft.checkpoint_every() << " steps); restarts " << j.restarts() << " of "
+              << ft.max_restarts() << "\n";
+  }
+  for (const JobEvent& ev : j.history()) {
+    std::cout << "  " << absl::FormatTime("%Y-%m-%d %H:%M:%S", absl::FromUnixMillis(ev.unix_ms()), absl::LocalTimeZone())
+              << "  " << ev.message() << "\n";
+  }
   for (const StepBreakdown& b : j.breakdown()) {
     std::cout << absl::StrFormat(
         "  rank %d, last step %.3f s: compute %.3f, waiting for peers %.3f, transport %.3f, optimizer %.3f, "
@@ -87,39 +104,66 @@ void PrintJob(const Job& j) {
   }
 }
 
-// Follows a job until it ends; returns its final record.
+// Follows a job until it ends; returns its final record. A coordinator that goes away
+// (a restart) is dialled again for up to kWatchReconnect.
+constexpr absl::Duration kWatchReconnect = absl::Seconds(120);
+
 absl::StatusOr<Job> Watch(Coordinator::Stub* stub, const std::string& job_id, const GlobalFlags& g) {
   const bool json = g.output == "json";
-  grpc::ClientContext ctx;
-  WatchJobRequest req;
-  req.set_job_id(job_id);
-  auto reader = stub->WatchJob(&ctx, req);
-  ProgressEvent e;
   const bool tty = isatty(1) && !json;
-  while (reader->Read(&e)) {
-    if (json) {
-      std::cout << Json(e) << std::endl;
-    } else {
-      int width = 30, done = e.steps() > 0 ? width * e.step() / e.steps() : 0;
-      std::string bar = std::string(done, '#') + std::string(width - done, '.');
-      std::string line = absl::StrFormat("[%s] %s step %d/%d", bar, JobState_Name(e.state()), e.step(), e.steps());
-      if (e.step() > 0) {
-        absl::StrAppend(&line, absl::StrFormat("  loss %.4f  %.0f samples/s  bubble %.0f%%", e.loss(),
-                                               e.samples_per_second(), 100 * e.bubble_fraction()));
+  std::string last_message;
+  absl::Time lost_since = absl::InfiniteFuture();
+  while (true) {
+    grpc::ClientContext ctx;
+    WatchJobRequest req;
+    req.set_job_id(job_id);
+    auto reader = stub->WatchJob(&ctx, req);
+    ProgressEvent e;
+    bool ended = false;
+    while (reader->Read(&e)) {
+      lost_since = absl::InfiniteFuture();
+      if (json) {
+        std::cout << Json(e) << std::endl;
+      } else {
+        int width = 30, done = e.steps() > 0 ? width * e.step() / e.steps() : 0;
+        std::string bar = std::string(done, '#') + std::string(width - done, '.');
+        std::string line = absl::StrFormat("[%s] %s step %d/%d", bar, JobState_Name(e.state()), e.step(), e.steps());
+        if (e.step() > 0) {
+          absl::StrAppend(&line, absl::StrFormat("  loss %.4f  %.0f samples/s  bubble %.0f%%", e.loss(),
+                                                 e.samples_per_second(), 100 * e.bubble_fraction()));
+        }
+        // Events (a worker lost, a restart) get a line of their own.
+        if (!Terminal(e.state()) && !e.message().empty() && e.message() != last_message) {
+          std::cout << (tty ? "\r" : "") << e.message() << (tty ? "\n" : "\n");
+        }
+        if (Terminal(e.state()) && !e.message().empty()) absl::StrAppend(&line, "  ", e.message());
+        std::cout << (tty ? "\r" : "") << line << (tty ? "   " : "\n") << std::flush;
       }
-      if (Terminal(e.state()) && !e.message().empty()) absl::StrAppend(&line, "  ", e.message());
-      std::cout << (tty ? "\r" : "") << line << (tty ? "   " : "\n") << std::flush;
+      last_message = e.message();
+      if (Terminal(e.state())) {
+        ended = true;
+        break;
+      }
     }
-    if (Terminal(e.state())) break;
+    if (ended) ctx.TryCancel();
+    grpc::Status s = reader->Finish();
+    if (ended || s.ok()) break;
+    if (s.error_code() != grpc::StatusCode::UNAVAILABLE) return FromGrpc(s, g.coordinator);
+    const absl::Time now = absl::Now();
+    if (lost_since == absl::InfiniteFuture()) {
+      lost_since = now;
+      std::cerr << kProgram << ": lost the coordinator at " << g.coordinator << " (" << s.error_message()
+                << "); reconnecting for up to " << absl::FormatDuration(kWatchReconnect) << "\n";
+    }
+    if (now - lost_since > kWatchReconnect) return FromGrpc(s, g.coordinator);
+    absl::SleepFor(absl::Milliseconds(500));
   }
   if (tty) std::cout << "\n";
-  grpc::Status s = reader->Finish();
-  if (!s.ok()) return FromGrpc(s, g.coordinator);
   grpc::ClientContext ctx2;
   GetJobRequest get;
   get.set_job_id(job_id);
   Job job;
-  s = stub->GetJob(&ctx2, get, &job);
+  grpc::Status s = stub->GetJob(&ctx2, get, &job);
   if (!s.ok()) return FromGrpc(s, g.coordinator);
   return job;
 }
@@ -141,6 +185,8 @@ struct SubmitFlags {
   int microbatches = 0, batch_size = 0, steps = 1, stages_per_worker = 0;
   double lr = 0.01, momentum = 0, clip = 0;
   std::optional<double> weight_decay, beta1, beta2, eps;
+  std::optional<int> checkpoint_every, max_restarts;
+  std::optional<double> recovery_timeout_s;
   uint64_t seed = 0;
   bool wait = false;
 };
@@ -183,6 +229,10 @@ absl::StatusOr<JobSpec> SpecFrom(const SubmitFlags& f) {
   if (!f.data.empty()) spec.mutable_data()->set_file(std::filesystem::path(f.data).filename().string());
   spec.mutable_data()->set_synthetic(f.synthetic);
   spec.set_seed(f.seed);
+  FaultToleranceSpec* ft = spec.mutable_fault_tolerance();
+  if (f.checkpoint_every) ft->set_checkpoint_every(*f.checkpoint_every);
+  if (f.max_restarts) ft->set_max_restarts(*f.max_restarts);
+  if (f.recovery_timeout_s) ft->set_recovery_timeout_s(*f.recovery_timeout_s);
   // The coordinator checks again; checking here saves uploading a large model for a
   // spec it would refuse.
   JobSpec checked = spec;
@@ -295,6 +345,16 @@ void AddSubmit(CLI::App& root, const GlobalFlags& g, int* exit_code) {
       ->check(cli::NonNegative())->capture_default_str();
   cmd->add_option("--name", f->name, "the job's name (default: the model file's name)");
   cmd->add_option("--seed", f->seed, "seeds each rank's random number generator (seed + rank) and synthetic data")->capture_default_str();
+  cmd->add_option("--checkpoint-every", f->checkpoint_every,
+                  "checkpoint the training state every N steps, so that a lost worker or coordinator costs at "
+                  "most N steps (default 50; 0: none, a restart begins at step 0)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--max-restarts", f->max_restarts,
+                  "restarts from the last checkpoint after losing a worker before the job fails (default 3)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--recovery-timeout-s", f->recovery_timeout_s,
+                  "how long a restart waits for enough idle workers before the job fails (default 300)")
+      ->check(cli::Positive());
   cmd->add_flag("--wait", f->wait, "follow the job until it ends; exit 0 only if it SUCCEEDED");
   cmd->callback([f, &g, exit_code] { *exit_code = RunSubmit(*f, g); });
 }

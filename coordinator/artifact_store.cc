@@ -1,6 +1,10 @@
 #include "coordinator/artifact_store.h"
 
+#include <fcntl.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <filesystem>
 #include <vector>
@@ -135,6 +139,100 @@ absl::Status ArtifactStore::Publish(const std::string& job_id, const std::string
   return absl::OkStatus();
 }
 
+void ArtifactStore::ResetResults(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  for (auto it = open_.begin(); it != open_.end();) {
+    it = it->first.first == job_id ? open_.erase(it) : std::next(it);
+  }
+  complete_.erase(job_id);
+}
+
+namespace {
+
+absl::Status SyncPath(const std::string& path) {
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return absl::UnavailableError(absl::StrCat("cannot open '", path, "': ", strerror(errno)));
+  const int rc = fsync(fd);
+  const int err = errno;
+  close(fd);
+  if (rc != 0) return absl::UnavailableError(absl::StrCat("fsync '", path, "': ", strerror(err)));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<bool> ArtifactStore::AppendCheckpoint(const std::string& job_id, int step, int rank, int stage,
+                                                     absl::string_view chunk, bool last) {
+  const std::string path =
+      stage >= 0 ? CheckpointStagePath(job_id, step, stage) : CheckpointStatePath(job_id, step, rank);
+  const std::string tmp = path + ".tmp";
+  absl::MutexLock lock(&mu_);
+  auto it = open_checkpoints_.find(path);
+  if (it == open_checkpoints_.end()) {
+    if (!fs::exists(JobDir(job_id))) return false;  // the job ended meanwhile
+    std::error_code ec;
+    fs::create_directories(CheckpointDir(job_id, step), ec);
+    const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) return absl::UnavailableError(absl::StrCat("cannot write '", tmp, "': ", strerror(errno)));
+    it = open_checkpoints_.emplace(path, std::make_pair(job_id, fd)).first;
+  }
+  const int fd = it->second.second;
+  absl::Status s;
+  for (size_t done = 0; done < chunk.size();) {
+    const ssize_t n = write(fd, chunk.data() + done, chunk.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      s = absl::UnavailableError(absl::StrCat("writing '", tmp, "' failed: ", strerror(errno)));
+      break;
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (s.ok() && last && fsync(fd) != 0) s = absl::UnavailableError(absl::StrCat("fsync '", tmp, "': ", strerror(errno)));
+  if (!s.ok() || last) {
+    close(fd);
+    open_checkpoints_.erase(it);
+  }
+  if (!s.ok()) return s;
+  if (!last) return false;
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) return absl::UnavailableError(absl::StrCat("cannot rename '", tmp, "': ", ec.message()));
+  return true;
+}
+
+absl::Status ArtifactStore::SyncCheckpoint(const std::string& job_id, int step) {
+  absl::Status s = SyncPath(CheckpointDir(job_id, step));
+  if (s.ok()) s = SyncPath(JobDir(job_id));
+  return s;
+}
+
+void ArtifactStore::RemoveCheckpoints(const std::string& job_id, const std::function<bool(int step)>& remove) {
+  const std::string prefix = JobDir(job_id) + "/checkpoint-";
+  auto step_of = [&](const std::string& path) {
+    return std::atoi(path.c_str() + prefix.size());  // "checkpoint-<k>[/...]"
+  };
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = open_checkpoints_.begin(); it != open_checkpoints_.end();) {
+      if (it->second.first == job_id && remove(step_of(it->first))) {
+        close(it->second.second);
+        it = open_checkpoints_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  std::error_code ec;
+  for (fs::directory_iterator d(JobDir(job_id), ec), end; !ec && d != end; d.increment(ec)) {
+    const std::string path = d->path().string();
+    if (path.rfind(prefix, 0) == 0 && remove(step_of(path))) {
+      std::error_code rm;
+      fs::remove_all(d->path(), rm);
+      if (rm) log::Warn("job={} could not remove '{}': {}", job_id, path, rm.message());
+    }
+  }
+}
+
 void ArtifactStore::RemoveJobFiles(const std::string& job_id) {
   {
     absl::MutexLock lock(&mu_);
@@ -142,6 +240,14 @@ void ArtifactStore::RemoveJobFiles(const std::string& job_id) {
       it = it->first.first == job_id ? open_.erase(it) : std::next(it);
     }
     complete_.erase(job_id);
+    for (auto it = open_checkpoints_.begin(); it != open_checkpoints_.end();) {
+      if (it->second.first == job_id) {
+        close(it->second.second);
+        it = open_checkpoints_.erase(it);
+      } else {
+        ++it;
+      }
+    }
   }
   std::error_code ec;
   fs::remove_all(JobDir(job_id), ec);

@@ -8,6 +8,11 @@
 //   jobs/<job>/share_<r>.pt rank r's share of the data (see DataSource::ShareBytes)
 //   jobs/<job>/result_<s>.pt  a trained stage as its worker sends it back
 //   jobs/<job>/outputs.pt   an inference job's outputs as the last rank sends them
+//   jobs/<job>/checkpoint-<k>/stage_<s>.pt, rank_<r>.state
+//                           a checkpoint after k steps: each stage's TorchScript with its
+//                           trained parameters, each rank's training state. Every file is
+//                           written to a .tmp name, fsynced and renamed; the job record
+//                           (JobStore) naming step k commits it; older ones are removed
 //   models/<job>.pt         what FetchModel serves: the trained model or the outputs
 //
 // Thread safety: every method may be called from any thread. Appending results uses
@@ -21,6 +26,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
@@ -88,6 +94,32 @@ class ArtifactStore {
   // Whether every stage in [0, stages) (or the outputs, for stages < 0) came back whole.
   bool ResultsComplete(const std::string& job_id, int stages);
 
+  // Forgets results that arrived (or were arriving) for the job: a restarted job sends
+  // them again.
+  void ResetResults(const std::string& job_id);
+
+  // ---- checkpoints ----
+  std::string CheckpointDir(const std::string& job_id, int step) const {
+    return absl::StrCat(JobDir(job_id), "/checkpoint-", step);
+  }
+  std::string CheckpointStagePath(const std::string& job_id, int step, int stage) const {
+    return CheckpointDir(job_id, step) + "/" + StageFileName(stage);
+  }
+  std::string CheckpointStatePath(const std::string& job_id, int step, int rank) const {
+    return absl::StrCat(CheckpointDir(job_id, step), "/rank_", rank, ".state");
+  }
+  // Appends a chunk of a checkpoint piece: a stage (stage >= 0) or a rank's state
+  // (stage < 0). `last` fsyncs the file and renames it into place; returns whether the
+  // piece is now complete. A job folder that is gone swallows the chunk.
+  // Errors: UNAVAILABLE naming the file.
+  absl::StatusOr<bool> AppendCheckpoint(const std::string& job_id, int step, int rank, int stage,
+                                        absl::string_view chunk, bool last);
+  // Makes the checkpoint's files durable (fsyncs its folder and the job's) before the
+  // job record names it. Errors: UNAVAILABLE.
+  absl::Status SyncCheckpoint(const std::string& job_id, int step);
+  // Removes the job's checkpoints (and pieces being written) whose step `remove` picks.
+  void RemoveCheckpoints(const std::string& job_id, const std::function<bool(int step)>& remove);
+
   // Makes `path` (a finished file) what FetchModel serves for the job.
   absl::Status Publish(const std::string& job_id, const std::string& path);
 
@@ -116,6 +148,8 @@ class ArtifactStore {
   std::map<std::pair<std::string, int>, OpenResult> open_ ABSL_GUARDED_BY(mu_);
   // (job, stage) of results that arrived whole.
   std::map<std::string, std::map<int, bool>> complete_ ABSL_GUARDED_BY(mu_);
+  // Checkpoint pieces being written: final path -> (job, fd of the .tmp file).
+  std::map<std::string, std::pair<std::string, int>> open_checkpoints_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace pippy::coordinator

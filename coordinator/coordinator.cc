@@ -1,6 +1,7 @@
 #include "coordinator/coordinator.h"
 
 #include <algorithm>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -39,25 +40,84 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(const Options& 
   c->store_ = std::move(*store);
   {
     absl::MutexLock lock(&c->mu_);
-    for (Job job : c->store_->List()) {
-      if (!Terminal(job.state())) {
-        job.set_reason(absl::StrCat("the coordinator restarted while the job was ", JobState_Name(job.state()),
-                                    "; submit it again"));
-        job.set_state(FAILED);
-        job.set_updated_unix_ms(NowMs());
-        absl::Status saved = c->store_->Put(job);
-        if (!saved.ok()) log::Warn("job={} could not record that it failed: {}", job.job_id(), saved.message());
-        c->artifacts_->RemoveJobFiles(job.job_id());
-      }
-      JobEntry entry;
-      entry.job = job;
-      c->jobs_[job.job_id()] = entry;
-      int64_t n = 0;
-      if (sscanf(job.job_id().c_str(), "job-%ld", &n) == 1) c->next_job_ = std::max(c->next_job_, n + 1);
-    }
+    c->RestoreJobs();
   }
   c->loop_ = std::thread([p = c.get()] { p->Loop(); });
   return c;
+}
+
+void Coordinator::RestoreJobs() {
+  next_worker_ = std::max<int64_t>(1, store_->GetCounter("next_worker", 1));
+  for (const Job& job : store_->List()) {
+    JobEntry& e = jobs_[job.job_id()];
+    e.job = job;
+    int64_t n = 0;
+    if (sscanf(job.job_id().c_str(), "job-%ld", &n) == 1) next_job_ = std::max(next_job_, n + 1);
+    if (Terminal(job.state())) continue;
+    const std::string& id = job.job_id();
+    e.stage_to_rank.assign(job.stage_ranks().begin(), job.stage_ranks().end());
+    e.ranks = e.stage_to_rank.empty() ? 0 : *std::max_element(e.stage_to_rank.begin(), e.stage_to_rank.end()) + 1;
+    for (int r = 0; r < e.ranks; ++r) {
+      e.share_bytes.push_back(std::max<int64_t>(0, ArtifactStore::FileSize(artifacts_->SharePath(id, r))));
+    }
+    bool files = e.ranks > 0 && static_cast<int>(e.stage_to_rank.size()) == job.plan().stages_size();
+    for (int st = 0; files && st < job.plan().stages_size(); ++st) {
+      files = ArtifactStore::FileSize(artifacts_->StagePath(id, st)) > 0;
+    }
+    const int ckpt = job.checkpoint_step();
+    bool checkpoint = ckpt > 0;
+    for (int st = 0; checkpoint && st < job.plan().stages_size(); ++st) {
+      checkpoint = ArtifactStore::FileSize(artifacts_->CheckpointStagePath(id, ckpt, st)) > 0;
+    }
+    for (int r = 0; checkpoint && r < e.ranks; ++r) {
+      checkpoint = ArtifactStore::FileSize(artifacts_->CheckpointStatePath(id, ckpt, r)) > 0;
+    }
+    // Pieces of checkpoints that were never committed go; the committed one stays.
+    artifacts_->RemoveCheckpoints(id, [ckpt](int step) { return step != ckpt; });
+    e.stage_files_ready = files;
+    std::string failed;
+    if (job.state() == QUEUED) {
+      if (files) {
+        queue_.push_back(id);
+        AddEvent(e, "the coordinator restarted; the job is queued again");
+      } else {
+        failed = "the coordinator restarted while the job was QUEUED and its stage files are missing";
+      }
+    } else if (job.state() == PARTITIONING) {
+      failed = "the coordinator restarted while the job's stages were being sent (they were only in memory)";
+    } else if (ckpt > 0 && !checkpoint) {
+      failed = absl::StrCat("the coordinator restarted while the job was ", JobState_Name(job.state()),
+                            " and its checkpoint after step ", ckpt, " is incomplete on disk");
+    } else if (!files && ckpt == 0) {
+      failed = absl::StrCat("the coordinator restarted while the job was ", JobState_Name(job.state()),
+                            " before its stage files were written");
+    } else {
+      // Placed, running or recovering: resume from the checkpoint once workers are back.
+      e.job.set_state(RECOVERING);
+      e.job.set_attempt(job.attempt() + 1);
+      e.job.set_step(ckpt);
+      e.job.mutable_losses()->Truncate(std::min(e.job.losses_size(), ckpt));
+      e.job.mutable_step_seconds()->Truncate(std::min(e.job.step_seconds_size(), ckpt));
+      e.job.clear_breakdown();
+      e.recover_deadline = absl::Now() + absl::Seconds(job.spec().fault_tolerance().recovery_timeout_s());
+      queue_.insert(queue_.begin(), id);
+      AddEvent(e, absl::StrCat("the coordinator restarted while the job was ", JobState_Name(job.state()),
+                               "; resuming from step ", ckpt, " once ", e.ranks, " workers are idle"));
+    }
+    if (!failed.empty()) {
+      e.job.set_state(FAILED);
+      e.job.set_reason(absl::StrCat(failed, "; submit it again"));
+      artifacts_->RemoveJobFiles(id);
+    }
+    Touch(e);
+  }
+}
+
+void Coordinator::AddEvent(JobEntry& e, const std::string& message) {
+  JobEvent* ev = e.job.add_history();
+  ev->set_unix_ms(NowMs());
+  ev->set_message(message);
+  log::Info("job={} {}", e.job.job_id(), message);
 }
 
 Coordinator::~Coordinator() {
@@ -139,6 +199,7 @@ absl::StatusOr<std::string> Coordinator::SubmitJob(const JobSpec& spec, std::uni
     entry.job.set_model_bytes(upload->model_bytes());
     entry.ranks = prepared->ranks;
     entry.stage_to_rank = prepared->stage_to_rank;
+    for (int r : prepared->stage_to_rank) entry.job.add_stage_ranks(r);
     entry.share_bytes = prepared->share_bytes;
     entry.stages = prepared->stages;
     Touch(entry);
@@ -180,17 +241,47 @@ void Coordinator::StageOut(const std::string& job_id) {
       threads.emplace_back([&, r] { SendRank(sends[r], from_memory, &bytes[r]); });
     }
     for (std::thread& t : threads) t.join();
-    absl::MutexLock lock(&mu_);
-    JobEntry& e = jobs_[job_id];
-    std::vector<int64_t> sizes(e.stage_to_rank.size(), 0);
-    for (const auto& per_rank : bytes) {
-      for (const auto& [s, n] : per_rank) sizes[s] = n;
+    bool restartable = false;
+    {
+      absl::MutexLock lock(&mu_);
+      JobEntry& e = jobs_[job_id];
+      std::vector<int64_t> sizes(e.stage_to_rank.size(), 0);
+      for (const auto& per_rank : bytes) {
+        for (const auto& [s, n] : per_rank) sizes[s] = n;
+      }
+      e.job.clear_stage_file_bytes();
+      for (int64_t n : sizes) e.job.add_stage_file_bytes(n);
+      Touch(e);
+      log::Info("job={} stages streamed to {} workers from memory in {}", job_id, sends.size(),
+                absl::FormatDuration(absl::Now() - start));
+      restartable = !Terminal(e.job.state()) && e.job.spec().fault_tolerance().max_restarts() > 0;
     }
-    e.job.clear_stage_file_bytes();
-    for (int64_t n : sizes) e.job.add_stage_file_bytes(n);
-    Touch(e);
-    log::Info("job={} stages streamed to {} workers from memory in {}", job_id, sends.size(),
-              absl::FormatDuration(absl::Now() - start));
+    if (restartable) {
+      // A restart before the first checkpoint (or after a coordinator restart) places
+      // the stages again from these files; the job runs meanwhile.
+      const auto write_start = absl::Now();
+      absl::StatusOr<std::vector<int64_t>> written = stages->WriteFiles(artifacts_->JobDir(job_id));
+      Outbox out;
+      {
+        absl::MutexLock lock(&mu_);
+        JobEntry& e = jobs_[job_id];
+        if (!written.ok()) {
+          const std::string why = absl::StrCat("writing the stage files for restarts: ", written.status().message());
+          log::Warn("job={} {}", job_id, why);
+          if (e.job.state() == RECOVERING && e.job.checkpoint_step() == 0) {
+            Finish(e, FAILED, absl::StrCat("the job cannot restart: ", why), &out);
+          }
+        } else if (Terminal(e.job.state())) {
+          artifacts_->RemoveJobFiles(job_id);  // it ended while the files were written
+        } else {
+          e.stage_files_ready = true;
+          log::Info("job={} stage files written for restarts in {}", job_id,
+                    absl::FormatDuration(absl::Now() - write_start));
+          Schedule();  // a restart may have been waiting for them
+        }
+      }
+      Deliver(&out);
+    }
   } else if (stages != nullptr) {
     const auto start = absl::Now();
     absl::StatusOr<std::vector<int64_t>> sizes = stages->WriteFiles(artifacts_->JobDir(job_id));
@@ -206,6 +297,7 @@ void Coordinator::StageOut(const std::string& job_id) {
         e.job.clear_stage_file_bytes();
         for (int64_t n : *sizes) e.job.add_stage_file_bytes(n);
         e.job.set_state(QUEUED);
+        e.stage_files_ready = true;
         queue_.push_back(job_id);
         log::Info("job={} queued; {} stage files written in {}", job_id, sizes->size(),
                   absl::FormatDuration(absl::Now() - start));
@@ -334,7 +426,18 @@ std::string Coordinator::AddWorker(const RegisterWorker& reg, std::shared_ptr<Wo
   std::string id;
   {
     absl::MutexLock lock(&mu_);
-    id = absl::StrCat("worker-", next_worker_++);
+    // A worker that reconnects (after a restart of the coordinator or a broken stream)
+    // keeps its id unless another worker has it now.
+    int64_t n = 0;
+    if (!reg.worker_id().empty() && !workers_.count(reg.worker_id()) &&
+        sscanf(reg.worker_id().c_str(), "worker-%ld", &n) == 1 && reg.worker_id() == absl::StrCat("worker-", n)) {
+      id = reg.worker_id();
+      next_worker_ = std::max(next_worker_, n + 1);
+    } else {
+      id = absl::StrCat("worker-", next_worker_++);
+    }
+    absl::Status saved = store_->PutCounter("next_worker", next_worker_);
+    if (!saved.ok()) log::Warn("the next worker id was not saved: {}", saved.message());
     WorkerEntry w;
     w.info.set_worker_id(id);
     w.info.set_name(reg.name().empty() ? id : reg.name());
@@ -351,7 +454,7 @@ std::string Coordinator::AddWorker(const RegisterWorker& reg, std::shared_ptr<Wo
     CoordinatorMessage m;
     m.mutable_registered()->set_worker_id(id);
     out.emplace_back(channel, m);
-    log::Info("worker {} ({}) registered", id, w.info.name());
+    log::Info("worker {} ({}) {}", id, w.info.name(), id == reg.worker_id() ? "registered again" : "registered");
     Schedule();
   }
   Deliver(&out);
@@ -365,16 +468,18 @@ void Coordinator::RemoveWorker(const std::string& worker_id, const std::string& 
     auto it = workers_.find(worker_id);
     if (it == workers_.end()) return;
     WorkerInfo info = it->second.info;
+    const int attempt = it->second.attempt;
     workers_.erase(it);
     log::Warn("worker {} ({}) removed: {}", worker_id, info.name(), why);
     if (!info.job_id().empty()) {
       auto job = jobs_.find(info.job_id());
-      if (job != jobs_.end() && !Terminal(job->second.job.state())) {
-        Finish(job->second, FAILED,
-               absl::StrCat("worker ", info.name(), " (", worker_id, ", rank ", info.rank(), ", stages ",
-                            absl::StrJoin(StagesOfRank(job->second.stage_to_rank, info.rank()), ","), ") ",
-                            why),
-               &out);
+      // A worker still finishing an earlier attempt of a recovering job changes nothing.
+      if (job != jobs_.end() && !Terminal(job->second.job.state()) && job->second.job.state() != RECOVERING &&
+          attempt == job->second.job.attempt()) {
+        Recover(job->second,
+                absl::StrCat("worker ", info.name(), " (", worker_id, ", rank ", info.rank(), ", stages ",
+                             absl::StrJoin(StagesOfRank(job->second.stage_to_rank, info.rank()), ","), ") ", why),
+                &out);
       }
     }
   }
@@ -395,6 +500,7 @@ void Coordinator::Finish(JobEntry& e, JobState state, const std::string& reason,
       CoordinatorMessage m;
       m.mutable_cancel()->set_job_id(e.job.job_id());
       m.mutable_cancel()->set_reason(reason);
+      m.mutable_cancel()->set_attempt(w->second.attempt);
       out->emplace_back(w->second.channel, m);
       // The worker is idle again once it reports its rank finished (it stops at once).
     } else {
@@ -406,11 +512,66 @@ void Coordinator::Finish(JobEntry& e, JobState state, const std::string& reason,
   Touch(e);
 }
 
+void Coordinator::Recover(JobEntry& e, const std::string& what, Outbox* out) {
+  const FaultToleranceSpec& ft = e.job.spec().fault_tolerance();
+  const int from = e.job.checkpoint_step();
+  if (e.job.restarts() >= ft.max_restarts()) {
+    Finish(e, FAILED,
+           absl::StrCat(what, "; no restart left (", e.job.restarts(), " of ", ft.max_restarts(),
+                        " used; raise it with --max-restarts)"),
+           out);
+    return;
+  }
+  const std::string& id = e.job.job_id();
+  // The job's other workers stop; each is idle again once it reports its rank finished.
+  for (const std::string& wid : e.job.workers()) {
+    auto w = workers_.find(wid);
+    if (w == workers_.end() || w->second.info.job_id() != id || w->second.attempt != e.job.attempt()) continue;
+    CoordinatorMessage m;
+    m.mutable_cancel()->set_job_id(id);
+    m.mutable_cancel()->set_reason(absl::StrCat("restarting the job: ", what));
+    m.mutable_cancel()->set_attempt(w->second.attempt);
+    out->emplace_back(w->second.channel, m);
+  }
+  e.job.set_restarts(e.job.restarts() + 1);
+  e.job.set_attempt(e.job.attempt() + 1);
+  e.job.set_state(RECOVERING);
+  e.job.set_step(from);
+  e.job.mutable_losses()->Truncate(std::min(e.job.losses_size(), from));
+  e.job.mutable_step_seconds()->Truncate(std::min(e.job.step_seconds_size(), from));
+  e.job.clear_breakdown();
+  e.addresses.clear();
+  e.reports.clear();
+  e.finished.clear();
+  e.assembling = false;
+  e.checkpoint_pieces.clear();
+  e.recover_deadline = absl::Now() + absl::Seconds(ft.recovery_timeout_s());
+  // Pieces of later checkpoints and results of this attempt are dropped (small file
+  // work under the lock: a later attempt writes the same names).
+  artifacts_->RemoveCheckpoints(id, [from](int step) { return step != from; });
+  artifacts_->ResetResults(id);
+  queue_.erase(std::remove(queue_.begin(), queue_.end(), id), queue_.end());
+  queue_.insert(queue_.begin(), id);
+  AddEvent(e, absl::StrCat(what, "; restarting from step ", from,
+                           from > 0 ? " (the last checkpoint)" : " (no checkpoint yet)", ", restart ",
+                           e.job.restarts(), " of ", ft.max_restarts()));
+  Touch(e);
+}
+
+Coordinator::StageWriter Coordinator::StagesFromFiles(const std::string& job_id, int checkpoint_step) const {
+  return [this, job_id, checkpoint_step](int stage, const std::function<absl::Status(absl::string_view)>& sink) {
+    const std::string path = checkpoint_step > 0 ? artifacts_->CheckpointStagePath(job_id, checkpoint_step, stage)
+                                                 : artifacts_->StagePath(job_id, stage);
+    return ArtifactStore::StreamFile(path, options_.chunk_bytes, sink);
+  };
+}
+
 void Coordinator::Schedule() {
   for (auto it = queue_.begin(); it != queue_.end();) {
     JobEntry& e = jobs_[*it];
     std::vector<std::string> idle = IdleWorkers();
-    if (static_cast<int>(idle.size()) < e.ranks) {
+    // A restart before the first checkpoint waits for the original stage files.
+    if (static_cast<int>(idle.size()) < e.ranks || (!e.stage_files_ready && e.job.checkpoint_step() == 0)) {
       ++it;  // later jobs that fit may go first on the remaining workers
       continue;
     }
@@ -418,9 +579,7 @@ void Coordinator::Schedule() {
     const std::string job_id = *it;
     it = queue_.erase(it);
     std::vector<RankSend> sends = Place(e, idle);
-    StageWriter from_files = [this, job_id](int stage, const std::function<absl::Status(absl::string_view)>& sink) {
-      return ArtifactStore::StreamFile(artifacts_->StagePath(job_id, stage), options_.chunk_bytes, sink);
-    };
+    StageWriter from_files = StagesFromFiles(job_id, e.job.checkpoint_step());
     for (RankSend& send : sends) {
       tasks_.Run([this, send = std::move(send), from_files] {
         std::map<int, int64_t> ignored;
@@ -439,6 +598,7 @@ std::vector<Coordinator::RankSend> Coordinator::Place(JobEntry& e, const std::ve
   for (size_t r = 0; r < workers.size(); ++r) {
     const int rank = static_cast<int>(r);
     WorkerEntry& w = workers_[workers[r]];
+    w.attempt = e.job.attempt();
     w.info.set_state(BUSY);
     w.info.set_job_id(job_id);
     w.info.set_rank(rank);
@@ -466,16 +626,40 @@ std::vector<Coordinator::RankSend> Coordinator::Place(JobEntry& e, const std::ve
       w.info.add_stages(s);
     }
     as->set_data_bytes(e.share_bytes[r]);
+    as->set_attempt(e.job.attempt());
+    const int from = e.job.checkpoint_step();
+    if (from > 0) {
+      // A restart from a checkpoint: its stages and the rank's training state.
+      as->set_start_step(from);
+      send.state_file = artifacts_->CheckpointStatePath(job_id, from, rank);
+      as->set_state_bytes(std::max<int64_t>(0, ArtifactStore::FileSize(send.state_file)));
+      for (Assignment::StageFile& f : *as->mutable_stages()) {
+        f.set_bytes(std::max<int64_t>(0, ArtifactStore::FileSize(artifacts_->CheckpointStagePath(job_id, from, f.stage()))));
+      }
+    }
     sends.push_back(std::move(send));
   }
-  log::Info("job={} placing on {}", job_id, absl::StrJoin(workers, ", "));
+  log::Info("job={} placing on {}{}", job_id, absl::StrJoin(workers, ", "),
+            e.job.attempt() > 0 ? absl::StrCat(" (attempt ", e.job.attempt(), ", from step ", e.job.checkpoint_step(), ")")
+                                : "");
   Touch(e);
   return sends;
+}
+
+void Coordinator::FailAttempt(const std::string& job_id, int attempt, const std::string& reason) {
+  Outbox out;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(job_id);
+    if (it != jobs_.end() && it->second.job.attempt() == attempt) Finish(it->second, FAILED, reason, &out);
+  }
+  Deliver(&out);
 }
 
 void Coordinator::SendRank(const RankSend& send, const StageWriter& writer, std::map<int, int64_t>* stage_bytes) {
   const std::string& job_id = send.assignment.assignment().job_id();
   const int rank = send.assignment.assignment().rank();
+  const int attempt = send.assignment.assignment().attempt();
   if (!send.channel->Send(send.assignment)) return;  // the worker is gone; RemoveWorker fails the job
   const auto start = absl::Now();
   int64_t sent = 0;
@@ -497,7 +681,7 @@ void Coordinator::SendRank(const RankSend& send, const StageWriter& writer, std:
     if (s.ok()) s = chunker.Finish();
     if (!s.ok()) {
       if (!absl::IsCancelled(s) && !absl::IsUnavailable(s)) {
-        log::Error("job={} rank={} cannot send stage {}: {}", job_id, rank, stage, s.message());
+        FailAttempt(job_id, attempt, absl::StrCat("cannot send stage ", stage, " to rank ", rank, ": ", s.message()));
       }
       return;
     }
@@ -523,17 +707,44 @@ void Coordinator::SendRank(const RankSend& send, const StageWriter& writer, std:
   if (s.ok()) s = data.Finish();
   if (!s.ok()) {
     if (!absl::IsCancelled(s) && !absl::IsUnavailable(s)) {
-      log::Error("job={} rank={} cannot send its data: {}", job_id, rank, s.message());
+      FailAttempt(job_id, attempt, absl::StrCat("cannot send rank ", rank, " its data: ", s.message()));
     }
     return;
   }
-  const int64_t share_size = static_cast<int64_t>(data.total());
-  sent += share_size;
+  sent += static_cast<int64_t>(data.total());
+  if (!send.state_file.empty()) {
+    Chunker state(options_.chunk_bytes, [&](std::string chunk, bool last) -> absl::Status {
+      if (send.stop->load()) return stopped;
+      CoordinatorMessage m;
+      StateChunk* c = m.mutable_state();
+      c->set_job_id(job_id);
+      c->set_chunk(std::move(chunk));
+      c->set_last_chunk(last);
+      return send.channel->Send(m) ? absl::OkStatus() : gone;
+    });
+    s = ArtifactStore::StreamFile(send.state_file, options_.chunk_bytes,
+                                  [&](absl::string_view piece) { return state.Append(piece); });
+    if (s.ok()) s = state.Finish();
+    if (!s.ok()) {
+      if (!absl::IsCancelled(s) && !absl::IsUnavailable(s)) {
+        FailAttempt(job_id, attempt,
+                    absl::StrCat("cannot send rank ", rank, " its training state: ", s.message()));
+      }
+      return;
+    }
+    sent += static_cast<int64_t>(state.total());
+  }
   log::Info("job={} rank={} sent {} bytes (stages and data share) in {}", job_id, rank, sent,
             absl::FormatDuration(absl::Now() - start));
 }
 
-void Coordinator::OnResultChunk(const std::string& job_id, int stage, const std::string& chunk, bool last) {
+void Coordinator::OnResultChunk(const std::string& job_id, int attempt, int stage, const std::string& chunk,
+                                bool last) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(job_id);
+    if (it == jobs_.end() || it->second.job.attempt() != attempt || Terminal(it->second.job.state())) return;
+  }
   absl::Status s = artifacts_->AppendResult(job_id, stage, chunk, last);
   if (s.ok()) return;
   Outbox out;
@@ -545,13 +756,65 @@ void Coordinator::OnResultChunk(const std::string& job_id, int stage, const std:
   Deliver(&out);
 }
 
+void Coordinator::OnCheckpointChunk(const CheckpointChunk& c) {
+  int ranks = 0, stages = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(c.job_id());
+    if (it == jobs_.end() || it->second.job.attempt() != c.attempt() || it->second.job.state() != RUNNING ||
+        c.step() <= it->second.job.checkpoint_step()) {
+      return;  // an earlier attempt's, or the job ended
+    }
+    ranks = it->second.ranks;
+    stages = it->second.job.plan().stages_size();
+  }
+  if (c.rank() < 0 || c.rank() >= ranks || c.stage() < -1 || c.stage() >= stages || c.step() <= 0) {
+    log::Warn("job={} a checkpoint piece names rank {} stage {} step {}: ignored", c.job_id(), c.rank(), c.stage(),
+              c.step());
+    return;
+  }
+  absl::StatusOr<bool> done = artifacts_->AppendCheckpoint(c.job_id(), c.step(), c.rank(), c.stage(), c.chunk(),
+                                                           c.last_chunk());
+  if (!done.ok() || !*done) {
+    // A checkpoint that cannot be written is not fatal: the job keeps its last one.
+    if (!done.ok()) log::Warn("job={} checkpoint after step {}: {}", c.job_id(), c.step(), done.status().message());
+    return;
+  }
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(c.job_id());
+  if (it == jobs_.end() || it->second.job.attempt() != c.attempt() || Terminal(it->second.job.state())) return;
+  JobEntry& e = it->second;
+  auto& pieces = e.checkpoint_pieces[c.step()];
+  pieces.insert({c.rank(), c.stage()});
+  if (static_cast<int>(pieces.size()) < stages + ranks || c.step() <= e.job.checkpoint_step()) return;
+  // Every stage and every rank's state arrived whole: commit (files durable first,
+  // then the record names the step), and drop the earlier checkpoints.
+  const auto start = absl::Now();
+  absl::Status synced = artifacts_->SyncCheckpoint(c.job_id(), c.step());
+  if (!synced.ok()) {
+    log::Warn("job={} checkpoint after step {} not committed: {}", c.job_id(), c.step(), synced.message());
+    return;
+  }
+  e.job.set_checkpoint_step(c.step());
+  Touch(e);
+  const int kept = c.step();
+  artifacts_->RemoveCheckpoints(c.job_id(), [kept](int step) { return step < kept; });
+  for (auto p = e.checkpoint_pieces.begin(); p != e.checkpoint_pieces.end();) {
+    p = p->first <= kept ? e.checkpoint_pieces.erase(p) : std::next(p);
+  }
+  log::Info("job={} checkpoint after step {} committed ({} files, synced in {})", c.job_id(), kept, stages + ranks,
+            absl::FormatDuration(absl::Now() - start));
+}
+
 void Coordinator::OnWorkerMessage(const std::string& worker_id, const WorkerMessage& m) {
   // Results go to disk as they come, outside the lock.
   if (m.has_stage_result()) {
-    OnResultChunk(m.stage_result().job_id(), m.stage_result().stage(), m.stage_result().chunk(),
-                  m.stage_result().last_chunk());
+    OnResultChunk(m.stage_result().job_id(), m.stage_result().attempt(), m.stage_result().stage(),
+                  m.stage_result().chunk(), m.stage_result().last_chunk());
   } else if (m.has_output()) {
-    OnResultChunk(m.output().job_id(), -1, m.output().chunk(), m.output().last_chunk());
+    OnResultChunk(m.output().job_id(), m.output().attempt(), -1, m.output().chunk(), m.output().last_chunk());
+  } else if (m.has_checkpoint()) {
+    OnCheckpointChunk(m.checkpoint());
   }
   Outbox out;
   std::string assemble_job;
@@ -564,15 +827,19 @@ void Coordinator::OnWorkerMessage(const std::string& worker_id, const WorkerMess
     w->second.last_heartbeat = absl::Now();
     w->second.info.set_last_heartbeat_unix_ms(NowMs());
     std::string job_id;
-    if (m.has_address()) job_id = m.address().job_id();
-    if (m.has_step()) job_id = m.step().job_id();
-    if (m.has_finished()) job_id = m.finished().job_id();
+    int attempt = 0;
+    if (m.has_address()) std::tie(job_id, attempt) = std::make_pair(m.address().job_id(), m.address().attempt());
+    if (m.has_step()) std::tie(job_id, attempt) = std::make_pair(m.step().job_id(), m.step().attempt());
+    if (m.has_finished()) std::tie(job_id, attempt) = std::make_pair(m.finished().job_id(), m.finished().attempt());
     auto jit = job_id.empty() ? jobs_.end() : jobs_.find(job_id);
-    if (m.has_finished() && w->second.info.job_id() == job_id) {
+    if (m.has_finished() && w->second.info.job_id() == job_id && w->second.attempt == attempt) {
       w->second.info.set_state(IDLE);
       w->second.info.clear_job_id();
+      Schedule();  // a queued or recovering job may wait for this worker
     }
-    if (jit != jobs_.end() && !Terminal(jit->second.job.state())) {
+    // Messages of an earlier attempt of the job (ranks that were stopped) are ignored.
+    if (jit != jobs_.end() && !Terminal(jit->second.job.state()) && jit->second.job.attempt() == attempt &&
+        jit->second.job.state() != RECOVERING) {
       JobEntry& e = jit->second;
       if (m.has_address()) {
         e.addresses[m.address().rank()] = m.address().ucx_address();
@@ -581,6 +848,7 @@ void Coordinator::OnWorkerMessage(const std::string& worker_id, const WorkerMess
         if (static_cast<int>(e.addresses.size()) == e.ranks) {
           CoordinatorMessage p;
           p.mutable_peers()->set_job_id(job_id);
+          p.mutable_peers()->set_attempt(e.job.attempt());
           for (const auto& [r, a] : e.addresses) p.mutable_peers()->add_ucx_addresses(a);
           for (const std::string& wid : e.job.workers()) out.emplace_back(workers_[wid].channel, p);
           e.job.set_state(RUNNING);
@@ -613,10 +881,16 @@ void Coordinator::OnWorkerMessage(const std::string& worker_id, const WorkerMess
           Touch(e);
         }
       } else if (m.has_finished()) {
-        if (!m.finished().ok()) {
-          Finish(e, FAILED, absl::StrCat("rank ", m.finished().rank(), " on worker ", w->second.info.name(), ": ",
-                                         m.finished().error()),
-                 &out);
+        const auto code = static_cast<absl::StatusCode>(m.finished().code());
+        const std::string what =
+            absl::StrCat("rank ", m.finished().rank(), " on worker ", w->second.info.name(), ": ", m.finished().error());
+        if (!m.finished().ok() &&
+            (code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded)) {
+          // A peer gone or silent: the job restarts (the lost worker, if it is lost,
+          // is removed when its stream breaks or its heartbeats stop).
+          Recover(e, what, &out);
+        } else if (!m.finished().ok()) {
+          Finish(e, FAILED, what, &out);
         } else {
           e.finished.insert(m.finished().rank());
           if (static_cast<int>(e.finished.size()) == e.ranks && !e.assembling) {
@@ -689,6 +963,16 @@ void Coordinator::Loop() {
         }
       }
       Schedule();
+      for (auto& [id, e] : jobs_) {
+        if (e.job.state() != RECOVERING || now < e.recover_deadline) continue;
+        const int idle = static_cast<int>(IdleWorkers().size());
+        Finish(e, FAILED,
+               absl::StrCat("waited ", e.job.spec().fault_tolerance().recovery_timeout_s(),
+                            " s (--recovery-timeout-s) for ", e.ranks, " idle workers to restart the job from step ",
+                            e.job.checkpoint_step(), "; ", idle, " of ", workers_.size(),
+                            " registered workers are idle: start more workers or submit the job again"),
+               &out);
+      }
     }
     Deliver(&out);
     for (const auto& [id, why] : dead) RemoveWorker(id, why);

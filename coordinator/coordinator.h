@@ -19,13 +19,23 @@
 // being assembled; a second submission waits for the first to let go. Files move in
 // chunks.
 //
-// Job records persist in SQLite (JobStore); after a restart, jobs that were not
-// finished are FAILED with that reason.
+// Fault tolerance (docs/fault-tolerance.md): a training job's ranks send a checkpoint
+// every spec.fault_tolerance.checkpoint_every steps (each stage's TorchScript and each
+// rank's optimizer and random-generator state); it is written under the job's folder
+// (temp file, fsync, rename) and committed by the job record naming its step. A job
+// whose worker is lost (its stream breaks, its heartbeats stop for
+// `heartbeat_timeout`, or a rank reports a peer gone) goes to RECOVERING: its other
+// workers are told to stop, and once enough workers are idle every stage is placed
+// again (attempt + 1) and the ranks start from the checkpoint's step; after
+// max_restarts, or when no workers come within recovery_timeout_s, it FAILS naming
+// why. Messages of an earlier attempt are ignored.
 //
-// Workers: each has one WorkerChannel (its stream). A worker whose stream breaks or
-// whose heartbeats stop for `heartbeat_timeout` is removed, and its job fails with a
-// reason naming the worker and its stages; the job's other workers are told to stop
-// and return to idle when they report back.
+// Job records persist in SQLite (JobStore). After a restart with the same state
+// directory, queued jobs stay queued, and jobs that were placed or running resume
+// (RECOVERING) from their last checkpoint once workers reconnect; workers keep their
+// ids. Jobs whose stages were still only in memory (PARTITIONING) are FAILED.
+//
+// Workers: each has one WorkerChannel (its stream).
 //
 // Thread safety: every public method may be called from any thread. One mutex guards
 // the jobs and workers; messages to workers are sent after it is released, and file
@@ -116,12 +126,19 @@ class Coordinator {
     std::map<int, std::map<int, StepReport>> traces;   // the last kTracedSteps complete steps
     std::set<int> finished;                           // ranks that finished ok
     bool assembling = false;                          // the result is being assembled
+    // The original stage files are on disk (jobs/<id>/stage_<s>.pt): a restart before
+    // the first checkpoint reads them.
+    bool stage_files_ready = false;
+    absl::Time recover_deadline;                      // RECOVERING: fail after this
+    // Checkpoint pieces that arrived whole, by step: (rank, stage), stage -1 = rank state.
+    std::map<int, std::set<std::pair<int, int>>> checkpoint_pieces;
     // PARTITIONING: the split stages, in memory, until they are sent or written out.
     std::shared_ptr<const PreparedStages> stages;
     // Set when the job ends: its file senders stop.
     std::shared_ptr<std::atomic<bool>> stop = std::make_shared<std::atomic<bool>>(false);
   };
   struct WorkerEntry {
+    int attempt = 0;  // of the job it holds
     WorkerInfo info;
     std::shared_ptr<WorkerChannel> channel;
     absl::Time last_heartbeat;
@@ -134,6 +151,7 @@ class Coordinator {
     CoordinatorMessage assignment;
     std::vector<int> stages;
     std::string share_file;
+    std::string state_file;  // a restart's training state for the rank (empty: none)
     std::shared_ptr<std::atomic<bool>> stop;
   };
   // Writes a stage's TorchScript through a sink: from memory or from its file.
@@ -162,11 +180,25 @@ class Coordinator {
   void SendRank(const RankSend& send, const StageWriter& writer, std::map<int, int64_t>* stage_bytes);
   void Finish(JobEntry& entry, JobState state, const std::string& reason, Outbox* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A worker of the job's current attempt is lost (`what` says which and how): the job
+  // goes to RECOVERING and is queued first to restart from its last checkpoint, or
+  // FAILS when no restart is left.
+  void Recover(JobEntry& entry, const std::string& what, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Appends to the job's history (and the log).
+  void AddEvent(JobEntry& entry, const std::string& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The job records found at start-up: finished ones as they are, queued ones queued
+  // again, placed or running ones RECOVERING.
+  void RestoreJobs() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Where a placement reads the job's stages: the checkpoint's, or the original files.
+  StageWriter StagesFromFiles(const std::string& job_id, int checkpoint_step) const;
+  void OnCheckpointChunk(const CheckpointChunk& chunk);
+  // Fails the job if it is still at `attempt` (a placement that could not be sent).
+  void FailAttempt(const std::string& job_id, int attempt, const std::string& reason);
   void Touch(JobEntry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // All ranks finished: assemble the trained model (or publish the outputs) on a task
   // thread, then end the job.
   void Assemble(const std::string& job_id, bool inference, int stages);
-  void OnResultChunk(const std::string& job_id, int stage, const std::string& chunk, bool last);
+  void OnResultChunk(const std::string& job_id, int attempt, int stage, const std::string& chunk, bool last);
   static void Deliver(Outbox* out);
 
   const Options options_;

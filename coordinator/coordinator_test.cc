@@ -73,16 +73,27 @@ struct Received {
   Assignment assignment;
   std::map<int, std::string> stages;
   std::string data;
+  std::string state;  // a restart's training state
   int stage_chunks = 0;
   bool complete = false;
 };
 
+// What the last assignment in `messages` brought.
 Received Collect(const std::vector<CoordinatorMessage>& messages) {
   Received r;
   std::map<int, bool> done;
-  bool data_done = false;
+  bool data_done = false, state_done = false;
   for (const auto& m : messages) {
-    if (m.has_assignment()) r.assignment = m.assignment();
+    if (m.has_assignment()) {
+      r = Received();
+      done.clear();
+      data_done = state_done = false;
+      r.assignment = m.assignment();
+    }
+    if (m.has_state()) {
+      r.state += m.state().chunk();
+      if (m.state().last_chunk()) state_done = true;
+    }
     if (m.has_stage()) {
       r.stages[m.stage().stage()] += m.stage().chunk();
       ++r.stage_chunks;
@@ -94,11 +105,24 @@ Received Collect(const std::vector<CoordinatorMessage>& messages) {
     }
   }
   r.complete = r.assignment.stages_size() > 0 && data_done &&
-               static_cast<int>(done.size()) == r.assignment.stages_size();
+               static_cast<int>(done.size()) == r.assignment.stages_size() &&
+               (r.assignment.state_bytes() == 0 || state_done);
   return r;
 }
 
 bool AssignmentArrived(const std::vector<CoordinatorMessage>& m) { return Collect(m).complete; }
+
+// A complete assignment of attempt `attempt` arrived.
+std::function<bool(const std::vector<CoordinatorMessage>&)> AttemptArrived(int attempt) {
+  return [attempt](const std::vector<CoordinatorMessage>& m) {
+    Received r = Collect(m);
+    return r.complete && r.assignment.attempt() == attempt;
+  };
+}
+
+bool CancelArrived(const std::vector<CoordinatorMessage>& m) {
+  return std::any_of(m.begin(), m.end(), [](const CoordinatorMessage& x) { return x.has_cancel(); });
+}
 
 JobSpec MlpSpec(int stages) {
   JobSpec spec;
@@ -118,8 +142,8 @@ class CoordinatorTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() { torch::jit::setGraphExecutorOptimize(false); }
 
-  void Start(const std::string& name, size_t chunk_bytes = 1 << 20) {
-    state_ = TmpDir(name);
+  void Start(const std::string& name, size_t chunk_bytes = 1 << 20, bool keep_state = false) {
+    if (!keep_state) state_ = TmpDir(name);
     Coordinator::Options o;
     o.state_dir = state_;
     o.chunk_bytes = chunk_bytes;
@@ -129,12 +153,14 @@ class CoordinatorTest : public ::testing::Test {
     coordinator_ = std::move(*c);
   }
 
-  std::vector<std::shared_ptr<FakeWorker>> AddWorkers(int n) {
+  // `previous`: the ids the workers had (reconnecting after a restart).
+  std::vector<std::shared_ptr<FakeWorker>> AddWorkers(int n, const std::vector<std::string>& previous = {}) {
     std::vector<std::shared_ptr<FakeWorker>> out;
     for (int i = 0; i < n; ++i) {
       auto w = std::make_shared<FakeWorker>();
       RegisterWorker reg;
-      reg.set_name(absl::StrCat("w", i));
+      reg.set_name(absl::StrCat("w", ids_.size()));
+      if (i < static_cast<int>(previous.size())) reg.set_worker_id(previous[i]);
       ids_.push_back(coordinator_->AddWorker(reg, w));
       out.push_back(w);
     }
@@ -175,21 +201,51 @@ class CoordinatorTest : public ::testing::Test {
 
   // Plays a worker that trains nothing: reports its address, `steps` step reports,
   // sends its stages back unchanged and finishes.
-  void PlayRank(const std::string& worker_id, const Received& r, int steps) {
+  // Reports the rank's address and steps [from, to); with `checkpoint_every`, sends a
+  // checkpoint (its stages as received, and "state-<rank>-<step>") after every N-th step.
+  void PlaySteps(const std::string& worker_id, const Received& r, int from, int to, int checkpoint_every = 0) {
     const Assignment& a = r.assignment;
     WorkerMessage addr;
     addr.mutable_address()->set_job_id(a.job_id());
     addr.mutable_address()->set_rank(a.rank());
     addr.mutable_address()->set_ucx_address(absl::StrCat("ucx-", a.rank()));
+    addr.mutable_address()->set_attempt(a.attempt());
     coordinator_->OnWorkerMessage(worker_id, addr);
-    for (int step = 0; step < steps; ++step) {
+    for (int step = from; step < to; ++step) {
       WorkerMessage rep;
       rep.mutable_step()->set_job_id(a.job_id());
       rep.mutable_step()->set_rank(a.rank());
       rep.mutable_step()->set_step(step);
       rep.mutable_step()->set_step_seconds(0.01);
+      rep.mutable_step()->set_attempt(a.attempt());
       coordinator_->OnWorkerMessage(worker_id, rep);
+      if (checkpoint_every > 0 && (step + 1) % checkpoint_every == 0) SendCheckpoint(worker_id, r, step + 1);
     }
+  }
+
+  void SendCheckpoint(const std::string& worker_id, const Received& r, int step) {
+    const Assignment& a = r.assignment;
+    auto piece = [&](int stage, const std::string& bytes) {
+      for (size_t off = 0; off < bytes.size(); off += 4096) {
+        WorkerMessage m;
+        CheckpointChunk* c = m.mutable_checkpoint();
+        c->set_job_id(a.job_id());
+        c->set_attempt(a.attempt());
+        c->set_step(step);
+        c->set_rank(a.rank());
+        c->set_stage(stage);
+        c->set_chunk(bytes.substr(off, 4096));
+        c->set_last_chunk(off + 4096 >= bytes.size());
+        coordinator_->OnWorkerMessage(worker_id, m);
+      }
+    };
+    for (const auto& [stage, bytes] : r.stages) piece(stage, bytes);
+    piece(-1, absl::StrCat("state-", a.rank(), "-", step));
+  }
+
+  void PlayRank(const std::string& worker_id, const Received& r, int steps) {
+    const Assignment& a = r.assignment;
+    PlaySteps(worker_id, r, a.start_step(), steps);
     for (const auto& [stage, bytes] : r.stages) {
       for (size_t off = 0; off < bytes.size(); off += 4096) {
         WorkerMessage m;
@@ -197,6 +253,7 @@ class CoordinatorTest : public ::testing::Test {
         m.mutable_stage_result()->set_stage(stage);
         m.mutable_stage_result()->set_chunk(bytes.substr(off, 4096));
         m.mutable_stage_result()->set_last_chunk(off + 4096 >= bytes.size());
+        m.mutable_stage_result()->set_attempt(a.attempt());
         coordinator_->OnWorkerMessage(worker_id, m);
       }
     }
@@ -208,6 +265,8 @@ class CoordinatorTest : public ::testing::Test {
     f.mutable_finished()->set_rank(a.rank());
     f.mutable_finished()->set_ok(ok);
     f.mutable_finished()->set_error(error);
+    f.mutable_finished()->set_attempt(a.attempt());
+    f.mutable_finished()->set_code(ok ? 0 : static_cast<int>(absl::StatusCode::kCancelled));
     coordinator_->OnWorkerMessage(worker_id, f);
   }
 
@@ -361,10 +420,12 @@ TEST_F(CoordinatorTest, MissingResult_FailsTheJobInsteadOfServingAPartialModel) 
   EXPECT_FALSE(coordinator_->ResultPath(*id).ok());
 }
 
-TEST_F(CoordinatorTest, WorkerLost_FailsTheJobNamingIt_AndTellsTheOthersToStop) {
+TEST_F(CoordinatorTest, WorkerLost_WithoutRestarts_FailsTheJobNamingIt_AndTellsTheOthersToStop) {
   Start("worker_lost");
   auto workers = AddWorkers(2);
-  auto id = Submit(MlpSpec(2), Slurp(kZoo + "mlp.pt"), Slurp(kZoo + "mlp.data.pt"));
+  JobSpec spec = MlpSpec(2);
+  spec.mutable_fault_tolerance()->set_max_restarts(0);
+  auto id = Submit(spec, Slurp(kZoo + "mlp.pt"), Slurp(kZoo + "mlp.data.pt"));
   ASSERT_TRUE(id.ok());
   for (int r = 0; r < 2; ++r) workers[r]->WaitFor(AssignmentArrived);
   coordinator_->RemoveWorker(ids_[1], "disconnected (test)");
@@ -372,15 +433,119 @@ TEST_F(CoordinatorTest, WorkerLost_FailsTheJobNamingIt_AndTellsTheOthersToStop) 
   EXPECT_EQ(job.state(), FAILED);
   EXPECT_THAT(job.reason(), HasSubstr("worker w1"));
   EXPECT_THAT(job.reason(), HasSubstr("stages 1"));
-  auto msgs = workers[0]->WaitFor([](const std::vector<CoordinatorMessage>& m) {
-    return std::any_of(m.begin(), m.end(), [](const CoordinatorMessage& x) { return x.has_cancel(); });
-  });
-  EXPECT_TRUE(std::any_of(msgs.begin(), msgs.end(), [](const CoordinatorMessage& x) { return x.has_cancel(); }));
+  EXPECT_THAT(job.reason(), HasSubstr("no restart left (0 of 0 used; raise it with --max-restarts)"));
+  auto msgs = workers[0]->WaitFor(CancelArrived);
+  EXPECT_TRUE(CancelArrived(msgs));
   // The survivor is busy until it reports back, then idle.
   FinishRank(ids_[0], Collect(msgs).assignment, false, "cancelled");
   auto listed = coordinator_->ListWorkers();
   ASSERT_EQ(listed.size(), 1u);
   EXPECT_EQ(listed[0].state(), IDLE);
+}
+
+// Checkpoints after steps 1 and 2 are committed (files on disk, the record names the
+// step, the older one removed); a lost worker sends the job to RECOVERING, and it is
+// placed again (attempt 1) on the survivor and the spare from the checkpoint: the
+// checkpoint's stages, each rank's state, the start step. The stopped attempt's
+// messages change nothing.
+TEST_F(CoordinatorTest, WorkerLost_JobRestartsFromItsLastCheckpointOnTheSpare) {
+  Start("restart_from_checkpoint", /*chunk_bytes=*/4096);
+  auto workers = AddWorkers(3);
+  JobSpec spec = MlpSpec(2);
+  spec.set_steps(5);
+  spec.mutable_fault_tolerance()->set_checkpoint_every(1);
+  auto id = Submit(spec, Slurp(kZoo + "mlp.pt"), Slurp(kZoo + "mlp.data.pt"));
+  ASSERT_TRUE(id.ok()) << id.status();
+  // Workers 0 and 1 (ids order) hold ranks 0 and 1; worker 2 is the spare.
+  std::vector<Received> got;
+  for (int r = 0; r < 2; ++r) got.push_back(Collect(workers[r]->WaitFor(AssignmentArrived)));
+  WaitForJob(*id, [this, &id](const Job&) {
+    return std::filesystem::exists(absl::StrCat(state_, "/jobs/", *id, "/stage_1.pt"));
+  });
+  // Trained stages differ from the originals: the checkpoint's are recognisable.
+  for (auto& g : got) {
+    for (auto& [s, bytes] : g.stages) bytes += "-trained";
+  }
+  for (int r = 0; r < 2; ++r) PlaySteps(ids_[r], got[r], 0, 0);  // addresses: RUNNING
+  for (int r = 0; r < 2; ++r) PlaySteps(ids_[r], got[r], 0, 2, /*checkpoint_every=*/1);
+  Job running = WaitForJob(*id, [](const Job& j) { return j.checkpoint_step() == 2; });
+  ASSERT_EQ(running.checkpoint_step(), 2);
+  ASSERT_EQ(running.state(), RUNNING);
+  const std::string ckpt = absl::StrCat(state_, "/jobs/", *id, "/checkpoint-2");
+  EXPECT_EQ(Slurp(ckpt + "/rank_1.state"), "state-1-2");
+  EXPECT_EQ(Slurp(ckpt + "/stage_0.pt"), got[0].stages.at(0));
+  EXPECT_FALSE(std::filesystem::exists(absl::StrCat(state_, "/jobs/", *id, "/checkpoint-1")));
+  // Half of a checkpoint after step 3 (rank 0 only), then rank 1's worker is lost.
+  PlaySteps(ids_[0], got[0], 2, 3);
+  SendCheckpoint(ids_[0], got[0], 3);
+  coordinator_->RemoveWorker(ids_[1], "disconnected (test)");
+  Job recovering = *coordinator_->GetJob(*id);
+  EXPECT_EQ(recovering.state(), RECOVERING);
+  EXPECT_EQ(recovering.restarts(), 1);
+  EXPECT_EQ(recovering.attempt(), 1);
+  EXPECT_EQ(recovering.step(), 2);
+  EXPECT_EQ(recovering.losses_size(), 2);
+  ASSERT_GT(recovering.history_size(), 0);
+  EXPECT_THAT(recovering.history(recovering.history_size() - 1).message(),
+              HasSubstr("worker w1 (" + ids_[1] + ", rank 1, stages 1) disconnected (test); restarting from step 2"));
+  EXPECT_FALSE(std::filesystem::exists(absl::StrCat(state_, "/jobs/", *id, "/checkpoint-3")));
+  // The survivor is told to stop; until it reports back the job waits (the spare alone
+  // is not enough).
+  auto msgs = workers[0]->WaitFor(CancelArrived);
+  ASSERT_TRUE(CancelArrived(msgs));
+  EXPECT_EQ(coordinator_->GetJob(*id)->state(), RECOVERING);
+  // A late report of the stopped attempt changes nothing.
+  WorkerMessage late;
+  late.mutable_step()->set_job_id(*id);
+  late.mutable_step()->set_rank(0);
+  late.mutable_step()->set_step(3);
+  late.mutable_step()->set_attempt(0);
+  coordinator_->OnWorkerMessage(ids_[0], late);
+  EXPECT_EQ(coordinator_->GetJob(*id)->step(), 2);
+  FinishRank(ids_[0], got[0].assignment, false, "cancelled");
+  // Placed again: ranks on the survivor (w0) and the spare (w2), from the checkpoint.
+  std::vector<Received> again;
+  for (int w : {0, 2}) again.push_back(Collect(workers[w]->WaitFor(AttemptArrived(1))));
+  for (const Received& r : again) {
+    ASSERT_TRUE(r.complete);
+    const int rank = r.assignment.rank();
+    EXPECT_EQ(r.assignment.start_step(), 2);
+    EXPECT_EQ(r.state, absl::StrCat("state-", rank, "-2"));
+    EXPECT_EQ(r.stages.at(rank), got[rank].stages.at(rank));
+  }
+  EXPECT_EQ(coordinator_->GetJob(*id)->state(), PLACING);
+  // The new attempt runs to the end and the result is assembled from its stages.
+  for (const Received& r : again) {
+    Received original = r;
+    for (auto& [s, bytes] : original.stages) bytes = got[s].stages.at(s).substr(0, bytes.size() - 8);  // loadable
+    PlayRank(r.assignment.rank() == 0 ? ids_[0] : ids_[2], original, 5);
+  }
+  for (const Received& r : again) FinishRank(r.assignment.rank() == 0 ? ids_[0] : ids_[2], r.assignment, true);
+  Job done = WaitForState(*id, SUCCEEDED);
+  EXPECT_EQ(done.state(), SUCCEEDED) << done.reason();
+  EXPECT_EQ(done.step(), 5);
+  EXPECT_EQ(done.losses_size(), 5);
+}
+
+TEST_F(CoordinatorTest, WorkerLost_NoWorkersWithinTheRecoveryTimeout_FailsSayingSo) {
+  Start("recovery_timeout");
+  auto workers = AddWorkers(2);
+  JobSpec spec = MlpSpec(2);
+  spec.mutable_fault_tolerance()->set_recovery_timeout_s(0.3);
+  auto id = Submit(spec, Slurp(kZoo + "mlp.pt"), Slurp(kZoo + "mlp.data.pt"));
+  ASSERT_TRUE(id.ok());
+  std::vector<Received> got;
+  for (int r = 0; r < 2; ++r) got.push_back(Collect(workers[r]->WaitFor(AssignmentArrived)));
+  WaitForJob(*id, [this, &id](const Job&) {
+    return std::filesystem::exists(absl::StrCat(state_, "/jobs/", *id, "/stage_1.pt"));
+  });
+  coordinator_->RemoveWorker(ids_[1], "disconnected (test)");
+  EXPECT_EQ(coordinator_->GetJob(*id)->state(), RECOVERING);
+  FinishRank(ids_[0], got[0].assignment, false, "cancelled");
+  Job failed = WaitForState(*id, FAILED);
+  EXPECT_EQ(failed.state(), FAILED);
+  EXPECT_THAT(failed.reason(), HasSubstr("(--recovery-timeout-s) for 2 idle workers to restart the job from step 0; "
+                                         "1 of 1 registered workers are idle"));
 }
 
 TEST_F(CoordinatorTest, Cancel_EndsTheJob_AndFreesWorkersWhenTheyReport) {
@@ -434,7 +599,10 @@ TEST_F(CoordinatorTest, BadSubmissions_AreRefusedNamingTheField_AndLeaveNothingB
   EXPECT_TRUE(std::filesystem::is_empty(state_ + "/jobs"));
 }
 
-TEST_F(CoordinatorTest, Restart_FailsUnfinishedJobs_KeepsFinishedOnesFetchable) {
+// After a restart with the same state directory: finished jobs stay fetchable, a job
+// that was placed resumes (RECOVERING) once its workers reconnect, and they keep their
+// ids.
+TEST_F(CoordinatorTest, Restart_ResumesPlacedJobs_WorkersKeepTheirIds_FinishedOnesStayFetchable) {
   Start("restart");
   auto workers = AddWorkers(2);
   auto finished = Submit(MlpSpec(2), Slurp(kZoo + "mlp.pt"), Slurp(kZoo + "mlp.data.pt"));
@@ -446,16 +614,39 @@ TEST_F(CoordinatorTest, Restart_FailsUnfinishedJobs_KeepsFinishedOnesFetchable) 
   ASSERT_EQ(WaitForState(*finished, SUCCEEDED).state(), SUCCEEDED);
   auto unfinished = Submit(MlpSpec(2), Slurp(kZoo + "mlp.pt"), Slurp(kZoo + "mlp.data.pt"));
   ASSERT_TRUE(unfinished.ok());
+  WaitForJob(*unfinished, [this, &unfinished](const Job&) {
+    return std::filesystem::exists(absl::StrCat(state_, "/jobs/", *unfinished, "/stage_1.pt"));
+  });
+  const std::vector<std::string> old_ids = ids_;
   coordinator_.reset();
-  Coordinator::Options o;
-  o.state_dir = state_;
-  coordinator_ = *Coordinator::Create(o);
+  ids_.clear();
+  Start("restart", 1 << 20, /*keep_state=*/true);
   EXPECT_EQ(coordinator_->GetJob(*finished)->state(), SUCCEEDED);
   EXPECT_TRUE(coordinator_->ResultPath(*finished).ok());
   auto again = coordinator_->GetJob(*unfinished);
-  EXPECT_EQ(again->state(), FAILED);
-  EXPECT_THAT(again->reason(), HasSubstr("the coordinator restarted"));
-  EXPECT_FALSE(std::filesystem::exists(absl::StrCat(state_, "/jobs/", *unfinished)));
+  EXPECT_EQ(again->state(), RECOVERING);
+  EXPECT_EQ(again->attempt(), 1);
+  ASSERT_GT(again->history_size(), 0);
+  EXPECT_THAT(again->history(again->history_size() - 1).message(),
+              HasSubstr("the coordinator restarted while the job was PLACING; resuming from step 0"));
+  // The workers reconnect (in the other order) under their old ids; a new one gets a new id.
+  auto back = AddWorkers(2, {old_ids[1], old_ids[0]});
+  EXPECT_EQ(ids_[0], old_ids[1]);
+  EXPECT_EQ(ids_[1], old_ids[0]);
+  auto fresh = AddWorkers(1);
+  EXPECT_NE(ids_[2], old_ids[0]);
+  EXPECT_NE(ids_[2], old_ids[1]);
+  // The job is placed again, on the two idle workers first registered, from its stage
+  // files and step 0.
+  for (auto& w : back) {
+    Received r = Collect(w->WaitFor(AttemptArrived(1)));
+    ASSERT_TRUE(r.complete);
+    EXPECT_EQ(r.assignment.start_step(), 0);
+    EXPECT_EQ(r.assignment.state_bytes(), 0);
+    EXPECT_EQ(r.stages.at(r.assignment.rank()), got[r.assignment.rank()].stages.at(r.assignment.rank()));
+  }
+  EXPECT_FALSE(Collect(fresh[0]->messages()).complete);
+  EXPECT_EQ(coordinator_->GetJob(*unfinished)->state(), PLACING);
 }
 
 }  // namespace

@@ -37,7 +37,9 @@ ProgressEvent EventOf(const Job& job) {
   if (job.losses_size() > 0) e.set_loss(job.losses(job.losses_size() - 1));
   e.set_samples_per_second(job.samples_per_second());
   e.set_bubble_fraction(job.bubble_fraction());
-  e.set_message(job.reason());
+  // Why it ended, or else the latest event (a worker lost, a restart).
+  e.set_message(!job.reason().empty() || job.history().empty() ? job.reason()
+                                                                : job.history(job.history_size() - 1).message());
   return e;
 }
 

@@ -22,7 +22,7 @@ absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& dir)
   char* err = nullptr;
   if (sqlite3_exec(store->db_,
                    "PRAGMA journal_mode=WAL; CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, created INTEGER, "
-                   "record BLOB);",
+                   "record BLOB); CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER);",
                    nullptr, nullptr, &err) != SQLITE_OK) {
     std::string msg = err ? err : "unknown";
     sqlite3_free(err);
@@ -68,6 +68,29 @@ std::vector<Job> JobStore::List() {
   }
   sqlite3_finalize(st);
   return out;
+}
+
+absl::Status JobStore::PutCounter(const std::string& name, int64_t value) {
+  absl::MutexLock lock(&mu_);
+  sqlite3_stmt* st = nullptr;
+  sqlite3_prepare_v2(db_, "INSERT OR REPLACE INTO counters (name, value) VALUES (?, ?)", -1, &st, nullptr);
+  sqlite3_bind_text(st, 1, name.c_str(), -1, SQLITE_TRANSIENT);
+  sqlite3_bind_int64(st, 2, value);
+  int rc = sqlite3_step(st);
+  sqlite3_finalize(st);
+  if (rc != SQLITE_DONE) return absl::UnavailableError(absl::StrCat("saving counter ", name, ": ", sqlite3_errmsg(db_)));
+  return absl::OkStatus();
+}
+
+int64_t JobStore::GetCounter(const std::string& name, int64_t missing) {
+  absl::MutexLock lock(&mu_);
+  sqlite3_stmt* st = nullptr;
+  sqlite3_prepare_v2(db_, "SELECT value FROM counters WHERE name = ?", -1, &st, nullptr);
+  sqlite3_bind_text(st, 1, name.c_str(), -1, SQLITE_TRANSIENT);
+  int64_t value = missing;
+  if (sqlite3_step(st) == SQLITE_ROW) value = sqlite3_column_int64(st, 0);
+  sqlite3_finalize(st);
+  return value;
 }
 
 }  // namespace pippy::coordinator

@@ -28,6 +28,10 @@ class JobStore {
   // Every record, oldest first; records that do not parse are skipped (logged).
   std::vector<Job> List();
 
+  // A counter kept across restarts (the next worker id). Errors: UNAVAILABLE.
+  absl::Status PutCounter(const std::string& name, int64_t value);
+  int64_t GetCounter(const std::string& name, int64_t missing);
+
  private:
   JobStore() = default;
   absl::Mutex mu_;

@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
   cli::Configure(app);
   worker::AgentOptions o;
   double wait_timeout_s = 60;
+  double reconnect_timeout_s = 300;
   std::string log_level = "info";
   app.add_option("--coordinator", o.coordinator, "where the coordinator listens (HOST:PORT)")
       ->envname("PIPPY_COORDINATOR")->capture_default_str();
@@ -27,12 +28,17 @@ int main(int argc, char** argv) {
                                          "or tcp,self)");
   app.add_option("--wait-timeout-s", wait_timeout_s, "deadline of every wait inside a training step")
       ->check(cli::Positive())->capture_default_str();
+  app.add_option("--reconnect-timeout-s", reconnect_timeout_s,
+                 "after losing the coordinator, keep dialling it (with backoff) this long, then exit 3; "
+                 "0: exit at once")
+      ->check(cli::NonNegative())->capture_default_str();
   app.add_option("--log-level", log_level, "debug | info | warn | error")
       ->check(CLI::IsMember({"debug", "info", "warn", "error", "off"}))->capture_default_str();
   if (auto code = cli::Parse(app, argc, argv)) return *code;
   absl::Status logging = log::InitWithLevel("worker", log_level);
   if (!logging.ok()) return cli::Fail(kProgram, logging);
   o.wait_timeout = absl::Seconds(wait_timeout_s);
+  o.reconnect_timeout = absl::Seconds(reconnect_timeout_s);
   if (openblas_set_num_threads) openblas_set_num_threads(o.threads);
   absl::Status s = worker::RunAgent(o);
   if (!s.ok()) return cli::Fail(kProgram, s);

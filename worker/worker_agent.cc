@@ -3,6 +3,9 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
 #include <chrono>
 #include <map>
 #include <thread>
@@ -16,6 +19,7 @@
 #include "common/memory.h"
 #include "common/status.h"
 #include "grpcpp/grpcpp.h"
+#include "pipeline/job/job_spec.h"
 #include "pipeline/job/rank_job.h"
 #include "pipeline/partition/model_io.h"
 #include "pipeline/stage/data_source.h"
@@ -38,10 +42,13 @@ struct Incoming {
   std::map<int, bool> stage_done;
   std::string data;
   bool data_done = false;
+  std::string state;  // a restart's training state (Assignment.state_bytes > 0)
+  bool state_done = false;
   int64_t bytes_received = 0;
 
   bool Complete() const {
     if (!data_done) return false;
+    if (assignment.state_bytes() > 0 && !state_done) return false;
     for (const auto& [s, done] : stage_done) {
       if (!done) return false;
     }
@@ -59,18 +66,55 @@ class Agent {
  public:
   explicit Agent(const AgentOptions& o) : options_(o) {}
 
+  // Serves the coordinator; when the connection is lost, stops the rank it runs (the
+  // coordinator restarts the job from its checkpoint) and dials again with backoff,
+  // registering under the id it had, until options_.reconnect_timeout has passed.
   absl::Status Run() {
+    absl::Status s = Session(options_.connect_timeout);
+    while (absl::IsUnavailable(s) && registered_once_ && options_.reconnect_timeout > absl::ZeroDuration()) {
+      const absl::Time deadline = absl::Now() + options_.reconnect_timeout;
+      log::Warn("lost the coordinator at {} ({}); reconnecting for up to {}", options_.coordinator, s.message(),
+                absl::FormatDuration(options_.reconnect_timeout));
+      absl::Duration backoff = absl::Milliseconds(200);
+      while (true) {
+        const absl::Duration left = deadline - absl::Now();
+        if (left <= absl::ZeroDuration()) {
+          return absl::UnavailableError(absl::StrCat("lost the coordinator at ", options_.coordinator,
+                                                     " and could not reconnect within ",
+                                                     absl::FormatDuration(options_.reconnect_timeout),
+                                                     " (--reconnect-timeout-s): ", s.message()));
+        }
+        s = Session(std::min(left, absl::Seconds(5)));
+        if (registered_ || !absl::IsUnavailable(s)) break;  // served (and lost again), or done
+        absl::SleepFor(std::min(backoff, std::max(absl::ZeroDuration(), deadline - absl::Now())));
+        backoff = std::min(backoff * 2, absl::Seconds(5));
+      }
+    }
+    return s;
+  }
+
+ private:
+  // One connection: registers, serves until the stream ends, then stops the rank it
+  // ran. Errors: UNAVAILABLE when the coordinator cannot be reached within
+  // `connect_timeout` or the stream broke.
+  absl::Status Session(absl::Duration connect_timeout) {
+    registered_ = false;
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(64 << 20);
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
     auto channel = grpc::CreateCustomChannel(options_.coordinator, grpc::InsecureChannelCredentials(), args);
-    if (!channel->WaitForConnected(std::chrono::system_clock::now() +
-                                   absl::ToChronoMilliseconds(options_.connect_timeout))) {
+    if (!channel->WaitForConnected(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(connect_timeout))) {
       return absl::UnavailableError(absl::StrCat("cannot reach the coordinator at ", options_.coordinator,
-                                                 " within ", absl::FormatDuration(options_.connect_timeout)));
+                                                 " within ", absl::FormatDuration(connect_timeout)));
     }
     auto stub = WorkerHub::NewStub(channel);
     grpc::ClientContext ctx;
-    stream_ = stub->Connect(&ctx);
+    {
+      absl::MutexLock lock(&write_mu_);
+      stream_ = stub->Connect(&ctx);
+    }
     WorkerMessage reg;
     RegisterWorker* r = reg.mutable_register_();
     char host[256] = {0};
@@ -81,7 +125,16 @@ class Agent {
     r->set_version(kVersion);
     r->set_threads(options_.threads);
     r->set_free_memory(static_cast<int64_t>(sysconf(_SC_AVPHYS_PAGES)) * sysconf(_SC_PAGESIZE));
-    if (!Write(reg)) return absl::UnavailableError("the coordinator closed the stream at registration");
+    r->set_worker_id(worker_id_);
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = false;
+    }
+    if (!Write(reg)) {
+      grpc::Status fin = stream_->Finish();
+      return absl::UnavailableError(absl::StrCat("the coordinator closed the stream at registration: ",
+                                                 fin.error_message()));
+    }
     std::thread heartbeat([this] {
       while (true) {
         {
@@ -101,15 +154,18 @@ class Agent {
       absl::MutexLock lock(&mu_);
       stopping_ = true;
     }
+    // The coordinator is gone: the rank stops (its job resumes from a checkpoint), and
+    // whatever was arriving is dropped.
     CancelRunningJob();
+    receiving_ = false;
+    incoming_ = Incoming();
     heartbeat.join();
     if (job_.joinable()) job_.join();
     grpc::Status s = stream_->Finish();
-    return s.ok() ? absl::OkStatus()
-                  : absl::UnavailableError(absl::StrCat("stream to the coordinator ended: ", s.error_message()));
+    return absl::UnavailableError(absl::StrCat("stream to the coordinator ended: ",
+                                               s.ok() ? "closed by the coordinator" : s.error_message()));
   }
 
- private:
   bool Write(const WorkerMessage& m) {
     absl::MutexLock lock(&write_mu_);
     return stream_->Write(m);
@@ -117,7 +173,13 @@ class Agent {
 
   void Handle(const CoordinatorMessage& m) {
     if (m.has_registered()) {
-      log::Info("registered as {} with the coordinator at {}", m.registered().worker_id(), options_.coordinator);
+      if (!worker_id_.empty() && worker_id_ != m.registered().worker_id()) {
+        log::Warn("registered again as {} (was {}: that id is taken)", m.registered().worker_id(), worker_id_);
+      }
+      worker_id_ = m.registered().worker_id();
+      registered_ = true;
+      registered_once_ = true;
+      log::Info("registered as {} with the coordinator at {}", worker_id_, options_.coordinator);
     } else if (m.has_assignment()) {
       if (job_.joinable()) job_.join();
       incoming_ = Incoming();
@@ -127,13 +189,18 @@ class Agent {
         incoming_.stage_done[f.stage()] = false;
       }
       incoming_.data.reserve(static_cast<size_t>(m.assignment().data_bytes()));
+      incoming_.state.reserve(static_cast<size_t>(m.assignment().state_bytes()));
       receiving_ = true;
       absl::MutexLock lock(&mu_);
       job_id_ = m.assignment().job_id();
+      attempt_ = m.assignment().attempt();
       cancelled_ = false;
       peers_.clear();
-      log::Info("job={} rank={}: receiving {} stage(s) and {} bytes of data", job_id_, m.assignment().rank(),
-                m.assignment().stages_size(), m.assignment().data_bytes());
+      log::Info("job={} rank={}: receiving {} stage(s) and {} bytes of data{}", job_id_, m.assignment().rank(),
+                m.assignment().stages_size(), m.assignment().data_bytes(),
+                m.assignment().attempt() > 0
+                    ? absl::StrCat("; restart ", m.assignment().attempt(), " from step ", m.assignment().start_step())
+                    : "");
     } else if (m.has_stage()) {
       if (!receiving_ || m.stage().job_id() != incoming_.assignment.job_id()) return;  // a cancelled transfer
       auto it = incoming_.stages.find(m.stage().stage());
@@ -152,15 +219,22 @@ class Agent {
       incoming_.bytes_received += static_cast<int64_t>(m.data().chunk().size());
       if (m.data().last_chunk()) incoming_.data_done = true;
       StartIfComplete();
+    } else if (m.has_state()) {
+      if (!receiving_ || m.state().job_id() != incoming_.assignment.job_id()) return;
+      incoming_.state += m.state().chunk();
+      incoming_.bytes_received += static_cast<int64_t>(m.state().chunk().size());
+      if (m.state().last_chunk()) incoming_.state_done = true;
+      StartIfComplete();
     } else if (m.has_peers()) {
       absl::MutexLock lock(&mu_);
-      if (m.peers().job_id() != job_id_) return;
+      if (m.peers().job_id() != job_id_ || m.peers().attempt() != attempt_) return;
       peers_.assign(m.peers().ucx_addresses().begin(), m.peers().ucx_addresses().end());
     } else if (m.has_cancel()) {
       {
         absl::MutexLock lock(&mu_);
-        if (m.cancel().job_id() != job_id_) {
-          log::Info("job={} cancel ignored: this worker runs job={}", m.cancel().job_id(), job_id_);
+        if (m.cancel().job_id() != job_id_ || m.cancel().attempt() != attempt_) {
+          log::Info("job={} cancel ignored: this worker runs job={} (attempt {})", m.cancel().job_id(), job_id_,
+                    attempt_);
           return;
         }
       }
@@ -203,6 +277,8 @@ class Agent {
     f.mutable_finished()->set_rank(a.rank());
     f.mutable_finished()->set_ok(s.ok());
     f.mutable_finished()->set_error(std::string(s.message()));
+    f.mutable_finished()->set_code(static_cast<int>(s.code()));
+    f.mutable_finished()->set_attempt(a.attempt());
     Write(f);
   }
 
@@ -219,11 +295,12 @@ class Agent {
   }
 
   // Streams `module` (a trained stage) to the coordinator in chunks as it is written.
-  absl::Status SendStage(const std::string& job_id, int stage, const torch::jit::Module& module) {
+  absl::Status SendStage(const Assignment& a, int stage, const torch::jit::Module& module) {
     Chunker chunker(kResultChunk, [&](std::string chunk, bool last) -> absl::Status {
       WorkerMessage m;
       StageResult* r = m.mutable_stage_result();
-      r->set_job_id(job_id);
+      r->set_job_id(a.job_id());
+      r->set_attempt(a.attempt());
       r->set_stage(stage);
       r->set_chunk(std::move(chunk));
       r->set_last_chunk(last);
@@ -234,13 +311,67 @@ class Agent {
     return chunker.Finish();
   }
 
-  absl::Status SendOutputs(const std::string& job_id, const std::vector<c10::IValue>& outputs) {
+  // A checkpoint after `step` steps: each stage's TorchScript (its trained parameters
+  // and buffers), then the rank's training state. The coordinator commits it once every
+  // rank's pieces arrived whole.
+  absl::Status SendCheckpoint(const Assignment& a, int step, job::RankJob& rank_job) {
+    const auto start = absl::Now();
+    int64_t bytes = 0;
+    auto sender = [&](int stage) {
+      return [&, stage](std::string chunk, bool last) -> absl::Status {
+        WorkerMessage m;
+        CheckpointChunk* c = m.mutable_checkpoint();
+        c->set_job_id(a.job_id());
+        c->set_attempt(a.attempt());
+        c->set_step(step);
+        c->set_rank(a.rank());
+        c->set_stage(stage);
+        bytes += static_cast<int64_t>(chunk.size());
+        c->set_chunk(std::move(chunk));
+        c->set_last_chunk(last);
+        if (!Write(m)) return absl::UnavailableError("the stream to the coordinator broke while sending a checkpoint");
+        MaybeDieInCheckpoint(step);
+        return absl::OkStatus();
+      };
+    };
+    for (const auto& [s, module] : rank_job.stages()) {
+      Chunker chunker(kResultChunk, sender(s));
+      PIPPY_RETURN_IF_ERROR(
+          partition::WriteModule(module, [&](absl::string_view piece) { return chunker.Append(piece); }));
+      PIPPY_RETURN_IF_ERROR(chunker.Finish());
+    }
+    PIPPY_ASSIGN_OR_RETURN(std::string state, rank_job.SaveState());
+    Chunker chunker(kResultChunk, sender(-1));
+    PIPPY_RETURN_IF_ERROR(chunker.Append(state));
+    PIPPY_RETURN_IF_ERROR(chunker.Finish());
+    log::Info("job={} rank={} checkpoint after step {}: {} bytes in {}", a.job_id(), a.rank(), step, bytes,
+              absl::FormatDuration(absl::Now() - start));
+    return absl::OkStatus();
+  }
+
+  // A test's fault: PIPPY_TEST_DIE_IN_CHECKPOINT=N makes this process SIGKILL itself
+  // after sending the first piece of its checkpoint after step N (a worker lost in the
+  // middle of a checkpoint).
+  static void MaybeDieInCheckpoint(int step) {
+    static const int die_at = [] {
+      const char* v = std::getenv("PIPPY_TEST_DIE_IN_CHECKPOINT");
+      return v != nullptr ? std::atoi(v) : -1;
+    }();
+    if (step == die_at) {
+      log::Warn("PIPPY_TEST_DIE_IN_CHECKPOINT={}: killing this worker in the middle of its checkpoint", step);
+      std::fflush(stderr);
+      raise(SIGKILL);
+    }
+  }
+
+  absl::Status SendOutputs(const Assignment& a, const std::vector<c10::IValue>& outputs) {
     PIPPY_ASSIGN_OR_RETURN(c10::IValue merged, stage::MergeMicrobatches(outputs));
     std::vector<char> bytes = torch::jit::pickle_save(merged);
     Chunker chunker(kResultChunk, [&](std::string chunk, bool last) -> absl::Status {
       WorkerMessage m;
       InferenceOutput* o = m.mutable_output();
-      o->set_job_id(job_id);
+      o->set_job_id(a.job_id());
+      o->set_attempt(a.attempt());
       o->set_chunk(std::move(chunk));
       o->set_last_chunk(last);
       if (!Write(m)) return absl::UnavailableError("the stream to the coordinator broke while sending outputs");
@@ -281,6 +412,7 @@ class Agent {
     addr.mutable_address()->set_ucx_address(ucx->address());
     addr.mutable_address()->set_bytes_received(in.bytes_received);
     addr.mutable_address()->set_loaded_param_bytes(param_bytes);
+    addr.mutable_address()->set_attempt(a.attempt());
     Write(addr);
     std::vector<std::string> peers;
     {
@@ -306,10 +438,15 @@ class Agent {
       absl::MutexLock lock(&mu_);
       running_ = nullptr;
     };
+    if (a.state_bytes() > 0) {
+      // A restart: the optimizer and the random generator as they were at the checkpoint.
+      PIPPY_RETURN_IF_ERROR(rank_job->RestoreState(in.state));
+      std::string().swap(in.state);
+    }
     const bool inference = rank_job->schedule().forward_only;
     KeepFreedMemory();  // the stages are loaded: from here on, buffers are reused step after step
     std::vector<c10::IValue> outputs;  // inference: the last stage's merged outputs per step
-    for (int step = 0; step < spec.steps(); ++step) {
+    for (int step = a.start_step(); step < spec.steps(); ++step) {
       PIPPY_ASSIGN_OR_RETURN(stage::StepResult res, rank_job->RunStep(step, data));
       if (inference && !res.output.isNone()) outputs.push_back(res.output);
       WorkerMessage rep;
@@ -317,6 +454,7 @@ class Agent {
       sr->set_job_id(a.job_id());
       sr->set_rank(a.rank());
       sr->set_step(step);
+      sr->set_attempt(a.attempt());
       sr->set_has_loss(res.has_loss);
       sr->set_loss(res.loss);
       sr->set_busy_seconds(res.busy_seconds);
@@ -346,13 +484,14 @@ class Agent {
       Write(rep);
       log::Info("job={} rank={} step={}{}", a.job_id(), a.rank(), step,
                 res.has_loss ? absl::StrCat(" loss=", res.loss) : "");
+      if (job::CheckpointAfter(spec, step + 1)) PIPPY_RETURN_IF_ERROR(SendCheckpoint(a, step + 1, *rank_job));
     }
     // Results: inference sends the outputs (a torch.save file); training sends the
     // trained stages.
     if (inference) {
-      if (!outputs.empty()) PIPPY_RETURN_IF_ERROR(SendOutputs(a.job_id(), outputs));
+      if (!outputs.empty()) PIPPY_RETURN_IF_ERROR(SendOutputs(a, outputs));
     } else {
-      for (const auto& [s, module] : rank_job->stages()) PIPPY_RETURN_IF_ERROR(SendStage(a.job_id(), s, module));
+      for (const auto& [s, module] : rank_job->stages()) PIPPY_RETURN_IF_ERROR(SendStage(a, s, module));
     }
     return absl::OkStatus();
   }
@@ -363,10 +502,14 @@ class Agent {
   absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::string job_id_ ABSL_GUARDED_BY(mu_);  // the job assigned last
+  int attempt_ ABSL_GUARDED_BY(mu_) = 0;     // and its attempt
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   job::RankJob* running_ ABSL_GUARDED_BY(mu_) = nullptr;  // the job's rank while it runs
   std::vector<std::string> peers_ ABSL_GUARDED_BY(mu_);
-  // Read-loop thread only.
+  // Run()'s thread only.
+  std::string worker_id_;          // the id the coordinator gave; kept across reconnections
+  bool registered_ = false;        // in the current session
+  bool registered_once_ = false;
   Incoming incoming_;
   bool receiving_ = false;
   std::thread job_;

@@ -8,7 +8,8 @@
 // the bytes, and sets the rank up with job::RankJob.
 //
 // Threads: Run()'s thread reads the stream and collects an assignment's files; a
-// heartbeat thread writes heartbeats; one job thread loads and runs the assigned rank.
+// heartbeat thread writes heartbeats; one job thread loads and runs the assigned rank
+// and sends its step reports, checkpoints and results.
 // Writes to the stream are serialised by a mutex.
 #ifndef PIPPY_WORKER_WORKER_AGENT_H_
 #define PIPPY_WORKER_WORKER_AGENT_H_
@@ -29,10 +30,16 @@ struct AgentOptions {
   absl::Duration heartbeat = absl::Seconds(1);
   absl::Duration wait_timeout = absl::Seconds(60);  // each wait inside a step
   absl::Duration connect_timeout = absl::Seconds(10);
+  // After losing the coordinator: how long to keep dialling (with backoff) before
+  // giving up; 0: give up at once.
+  absl::Duration reconnect_timeout = absl::Seconds(300);
 };
 
-// Connects and serves until the coordinator closes the stream or it breaks.
-// Errors: UNAVAILABLE when the coordinator cannot be reached or the stream broke;
+// Connects and serves. When the coordinator goes away (it stopped, restarted, or the
+// network broke) the worker stops its rank and reconnects, registering under the id
+// it had, for up to reconnect_timeout.
+// Errors: UNAVAILABLE when the coordinator cannot be reached at first (within
+// connect_timeout) or again (within reconnect_timeout);
 // INVALID_ARGUMENT for options this build cannot serve (a device it lacks).
 absl::Status RunAgent(const AgentOptions& options);
 

@@ -210,9 +210,9 @@ fi
 ctl list > /dev/null && ok "coordinator still serving after bad input" || bad "coordinator still serving after bad input"
 
 # Long jobs for the failure checks: submit, then wait until step N has been reported.
-long_job() {  # STAGES -> job id
+long_job() {  # STAGES -> job id (no restarts: a lost worker fails it; tests/e2e/fault_tolerance_test.sh restarts)
   ctl submit "$ZOO/gpt.pt" --data "$TMP/gpt.data.pt" --microbatches 8 --batch-size 8 --steps 100000 --loss model \
-    --optimizer sgd --lr 0.001 --stages "$1" --schedule 1f1b
+    --optimizer sgd --lr 0.001 --stages "$1" --schedule 1f1b --max-restarts 0
 }
 wait_for_step() {  # N (for $job)
   for _ in $(seq 200); do
@@ -269,7 +269,8 @@ else
   bad "silent worker: $reason"
 fi
 
-# Job records survive a coordinator restart (workers end with their stream).
+# Job records survive a coordinator restart (the workers keep dialling the old address
+# until they are stopped; the restart tests are in tests/e2e/fault_tolerance_test.sh).
 kill "${pids[0]}"
 for _ in $(seq 100); do kill -0 "${pids[0]}" 2>/dev/null || break; sleep 0.1; done
 kill -0 "${pids[0]}" 2>/dev/null && bad "coordinator did not stop within 10 s of SIGTERM" || ok "coordinator stopped on SIGTERM"
