@@ -45,6 +45,8 @@ expect bad-output 2 "--output" -- --output yaml split "$ZOO/mlp.pt" --stages 2
 expect submit-needs-schedule 2 "--schedule is required" -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --microbatches 2 --batch-size 8
 expect submit-unknown-loss 2 "--loss: l1 not in {mse,cross_entropy,model}" -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --schedule 1f1b --microbatches 2 --batch-size 8 --loss l1
 expect submit-data-and-synthetic 2 "excludes --synthetic" -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --synthetic "inputs=float32[8,32]" --schedule 1f1b --microbatches 2 --batch-size 8
+expect submit-negative-checkpoint 2 "--checkpoint-every" -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --schedule 1f1b --microbatches 2 --batch-size 8 --loss mse --optimizer sgd --checkpoint-every -1
+expect submit-zero-recovery-timeout 2 "--recovery-timeout-s: must be > 0" -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --schedule 1f1b --microbatches 2 --batch-size 8 --loss mse --optimizer sgd --recovery-timeout-s 0
 # Checked before anything is uploaded: the spec's own fields.
 expect submit-spec-checked-first 2 "batch_size: 6 does not split into 4" -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --schedule 1f1b --stages 2 --microbatches 4 --batch-size 6 --loss mse --optimizer sgd
 expect submit-momentum-adam 2 "only sgd takes momentum" -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --schedule 1f1b --stages 2 --microbatches 2 --batch-size 8 --loss mse --optimizer adam --momentum 0.9

@@ -535,6 +535,9 @@ void Coordinator::Recover(JobEntry& e, const std::string& what, Outbox* out) {
   }
   e.job.set_restarts(e.job.restarts() + 1);
   e.job.set_attempt(e.job.attempt() + 1);
+  // The stopped attempt's senders stop; the next attempt gets a flag of its own.
+  e.stop->store(true);
+  e.stop = std::make_shared<std::atomic<bool>>(false);
   e.job.set_state(RECOVERING);
   e.job.set_step(from);
   e.job.mutable_losses()->Truncate(std::min(e.job.losses_size(), from));
@@ -671,6 +674,7 @@ void Coordinator::SendRank(const RankSend& send, const StageWriter& writer, std:
       if (send.stop->load()) return stopped;
       CoordinatorMessage m;
       StageChunk* c = m.mutable_stage();
+      c->set_attempt(attempt);
       c->set_job_id(job_id);
       c->set_stage(stage);
       c->set_chunk(std::move(chunk));
@@ -694,6 +698,7 @@ void Coordinator::SendRank(const RankSend& send, const StageWriter& writer, std:
     if (send.stop->load()) return stopped;
     CoordinatorMessage m;
     DataChunk* c = m.mutable_data();
+      c->set_attempt(attempt);
     c->set_job_id(job_id);
     c->set_chunk(std::move(chunk));
     c->set_last_chunk(last);
@@ -717,6 +722,7 @@ void Coordinator::SendRank(const RankSend& send, const StageWriter& writer, std:
       if (send.stop->load()) return stopped;
       CoordinatorMessage m;
       StateChunk* c = m.mutable_state();
+      c->set_attempt(attempt);
       c->set_job_id(job_id);
       c->set_chunk(std::move(chunk));
       c->set_last_chunk(last);
@@ -852,6 +858,10 @@ void Coordinator::OnWorkerMessage(const std::string& worker_id, const WorkerMess
           for (const auto& [r, a] : e.addresses) p.mutable_peers()->add_ucx_addresses(a);
           for (const std::string& wid : e.job.workers()) out.emplace_back(workers_[wid].channel, p);
           e.job.set_state(RUNNING);
+          log::Info("job={} running: {} ranks connected{}", job_id, e.ranks,
+                    e.job.attempt() > 0 ? absl::StrCat(" (attempt ", e.job.attempt(), ", from step ",
+                                                       e.job.checkpoint_step(), ")")
+                                        : "");
           Touch(e);
         }
       } else if (m.has_step()) {

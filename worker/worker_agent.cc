@@ -202,7 +202,10 @@ class Agent {
                     ? absl::StrCat("; restart ", m.assignment().attempt(), " from step ", m.assignment().start_step())
                     : "");
     } else if (m.has_stage()) {
-      if (!receiving_ || m.stage().job_id() != incoming_.assignment.job_id()) return;  // a cancelled transfer
+      if (!receiving_ || m.stage().job_id() != incoming_.assignment.job_id() ||
+          m.stage().attempt() != incoming_.assignment.attempt()) {
+        return;  // a cancelled transfer
+      }
       auto it = incoming_.stages.find(m.stage().stage());
       if (it == incoming_.stages.end()) {
         FailTransfer(absl::InternalError(absl::StrCat("the coordinator sent stage ", m.stage().stage(),
@@ -214,13 +217,19 @@ class Agent {
       if (m.stage().last_chunk()) incoming_.stage_done[m.stage().stage()] = true;
       StartIfComplete();
     } else if (m.has_data()) {
-      if (!receiving_ || m.data().job_id() != incoming_.assignment.job_id()) return;
+      if (!receiving_ || m.data().job_id() != incoming_.assignment.job_id() ||
+          m.data().attempt() != incoming_.assignment.attempt()) {
+        return;
+      }
       incoming_.data += m.data().chunk();
       incoming_.bytes_received += static_cast<int64_t>(m.data().chunk().size());
       if (m.data().last_chunk()) incoming_.data_done = true;
       StartIfComplete();
     } else if (m.has_state()) {
-      if (!receiving_ || m.state().job_id() != incoming_.assignment.job_id()) return;
+      if (!receiving_ || m.state().job_id() != incoming_.assignment.job_id() ||
+          m.state().attempt() != incoming_.assignment.attempt()) {
+        return;
+      }
       incoming_.state += m.state().chunk();
       incoming_.bytes_received += static_cast<int64_t>(m.state().chunk().size());
       if (m.state().last_chunk()) incoming_.state_done = true;
