@@ -134,9 +134,15 @@ absl::Status CheckSpec(JobSpec* spec) {
   }
   if (spec->steps() < 1) return Bad("steps", "must be at least 1");
   if (spec->batch_size() < 1) return Bad("batch_size", "must be at least 1");
-  if (spec->batch_size() % sched->microbatches() != 0) {
-    return Bad("batch_size", absl::StrCat(spec->batch_size(), " does not split into ", sched->microbatches(),
-                                          " equal micro-batches"));
+  if (spec->replicas() < 0) return Bad("replicas", "must not be negative");
+  if (spec->replicas() == 0) spec->set_replicas(1);
+  if (spec->replicas() > 1 && !train) return Bad("replicas", "data parallelism is for training jobs");
+  if (spec->batch_size() % (spec->replicas() * sched->microbatches()) != 0) {
+    return Bad("batch_size", spec->replicas() == 1
+                                 ? absl::StrCat(spec->batch_size(), " does not split into ", sched->microbatches(),
+                                                " equal micro-batches")
+                                 : absl::StrCat(spec->batch_size(), " does not split into ", spec->replicas(),
+                                                " replicas x ", sched->microbatches(), " equal micro-batches"));
   }
   if (spec->split().stages() < 0) return Bad("split.stages", "must not be negative");
   if (spec->split().stages() == 0 && spec->split().split_at().empty()) {

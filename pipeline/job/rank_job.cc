@@ -1,5 +1,6 @@
 #include "pipeline/job/rank_job.h"
 
+#include <algorithm>
 #include <mutex>
 #include <sstream>
 
@@ -27,26 +28,39 @@ stage::RuntimeOptions RuntimeOptionsFor(const JobSpec& spec, absl::Duration time
   return ro;
 }
 
-void SeedProcessForRank(const JobSpec& spec, int rank) {
-  torch::manual_seed(spec.seed() + static_cast<uint64_t>(rank));
+void SeedProcessForRank(const JobSpec& spec, int rank, int replica, int ranks_per_replica) {
+  torch::manual_seed(spec.seed() + static_cast<uint64_t>(replica) * static_cast<uint64_t>(ranks_per_replica) +
+                     static_cast<uint64_t>(rank));
 }
 
 absl::StatusOr<std::unique_ptr<RankJob>> RankJob::Create(const JobSpec& spec, const PipelinePlan& plan, int rank,
                                                          std::map<int, torch::jit::Module> stages,
-                                                         transport::Transport* transport, absl::Duration timeout) {
+                                                         transport::Transport* transport, absl::Duration timeout,
+                                                         transport::ReplicaGroup* replicas) {
+  const int want = std::max(1, spec.replicas());
+  const int have = replicas != nullptr ? replicas->size() : 1;
+  if (want != have) {
+    return absl::InvalidArgumentError(absl::StrCat("the job has ", want, " replica(s) but rank ", rank, " was given a ",
+                                                   "group of ", have));
+  }
   std::unique_ptr<RankJob> job(new RankJob());
   job->spec_ = spec;
   job->rank_ = rank;
+  job->replica_ = replicas != nullptr ? replicas->index() : 0;
   PIPPY_ASSIGN_OR_RETURN(job->schedule_, ScheduleFor(spec, plan));
+  stage::RuntimeOptions ro = RuntimeOptionsFor(spec, timeout);
+  ro.replicas = replicas;
   PIPPY_ASSIGN_OR_RETURN(job->runtime_, stage::RankRuntime::Create(rank, plan, std::move(stages), job->schedule_,
-                                                                   transport, RuntimeOptionsFor(spec, timeout)));
+                                                                   transport, ro));
   return job;
 }
 
 absl::StatusOr<stage::StepResult> RankJob::RunStep(int step, const stage::DataSource& data) {
   const int64_t batch = spec_.batch_size();
   if (schedule_.forward_only) return runtime_->InferenceStep(step, data.Inputs(step, batch));
-  return runtime_->TrainStep(step, data.Inputs(step, batch), data.Target(step, batch));
+  const int replicas = std::max(1, spec_.replicas());
+  return runtime_->TrainStep(step, data.Inputs(step, batch, replica_, replicas),
+                             data.Target(step, batch, replica_, replicas));
 }
 
 }  // namespace pippy::job

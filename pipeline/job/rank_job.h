@@ -25,10 +25,11 @@ namespace pippy::job {
 // The runtime options a checked spec asks for; `timeout` bounds each wait in a step.
 stage::RuntimeOptions RuntimeOptionsFor(const JobSpec& spec, absl::Duration timeout);
 
-// Seeds this process's random number generator for `rank` of a job (spec.seed + rank),
-// so that dropout and other random ops repeat from run to run. For processes that run
-// one rank; ranks sharing a process share the generator.
-void SeedProcessForRank(const JobSpec& spec, int rank);
+// Seeds this process's random number generator for `rank` of `replica` of a job
+// (spec.seed + replica * ranks per replica + rank), so that dropout and other random
+// ops repeat from run to run. For processes that run one rank; ranks sharing a process
+// share the generator.
+void SeedProcessForRank(const JobSpec& spec, int rank, int replica = 0, int ranks_per_replica = 0);
 
 class RankJob {
  public:
@@ -36,9 +37,14 @@ class RankJob {
   // stages the schedule places on `rank`. The transport must outlive the RankJob.
   // Errors: INVALID_ARGUMENT when the spec's schedule cannot run this plan, or the
   // stages, plan and schedule disagree.
+  // Data parallelism (spec.replicas > 1): `replicas` is this rank's group across the
+  // replicas (its index is the replica), which must outlive the RankJob; the rank then
+  // trains on its replica's slice of every batch. Errors: also INVALID_ARGUMENT when
+  // the group does not match spec.replicas.
   static absl::StatusOr<std::unique_ptr<RankJob>> Create(const JobSpec& spec, const PipelinePlan& plan, int rank,
                                                          std::map<int, torch::jit::Module> stages,
-                                                         transport::Transport* transport, absl::Duration timeout);
+                                                         transport::Transport* transport, absl::Duration timeout,
+                                                         transport::ReplicaGroup* replicas = nullptr);
 
   // Step `step` of the job on its batch from `data`: a training step, or forward only
   // for an inference job (the last stage's rank returns the merged output).
@@ -68,6 +74,7 @@ class RankJob {
 
   JobSpec spec_;
   int rank_ = 0;
+  int replica_ = 0;
   schedule::Schedule schedule_;
   std::unique_ptr<stage::RankRuntime> runtime_;
 };

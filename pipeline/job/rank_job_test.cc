@@ -7,11 +7,13 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "pipeline/job/job_plan.h"
 #include "pipeline/job/job_spec.h"
 #include "pipeline/partition/model_io.h"
 #include "pipeline/partition/partition.h"
+#include "pipeline/transport/gloo/gloo_group.h"
 #include "pipeline/transport/loopback/loopback_transport.h"
 #include "torch/csrc/jit/runtime/graph_executor.h"
 
@@ -163,6 +165,112 @@ TEST_P(RankJobStateTest, ResumedFromSavedState_BitwiseEqualsUninterrupted) {
 
 INSTANTIATE_TEST_SUITE_P(Optimizers, RankJobStateTest, ::testing::Values(OPTIMIZER_SGD, OPTIMIZER_ADAMW),
                          [](const auto& info) { return OptimizerName(info.param); });
+
+// Data parallelism: 2 replicas x 2 ranks (replica groups over real gloo TCP on
+// 127.0.0.1, each replica's ranks over loopback) train like one pipeline on the whole
+// batch with twice the micro-batches: each replica takes half of every batch and the
+// gradients are averaged. Not bitwise: the sums are grouped differently.
+TEST(RankJobReplicas, TwoReplicas_TrainLikeOnePipelineOnTheWholeBatch) {
+  torch::jit::setGraphExecutorOptimize(false);
+  auto model = partition::LoadModel(Zoo("mlp.pt"));
+  ASSERT_TRUE(model.ok());
+  auto inputs = partition::LoadExampleInputs(Zoo("mlp.input.pt"), *model);
+  auto target = partition::LoadTorchSaved(Zoo("mlp.target.pt"));
+  ASSERT_TRUE(inputs.ok() && target.ok());
+  const int batch = static_cast<int>((*inputs)[0].toTensor().size(0));
+  partition::SplitOptions so;
+  so.num_stages = 2;
+  auto pipe = partition::SplitModel(*model, so);
+  ASSERT_TRUE(pipe.ok());
+  std::vector<std::string> names;
+  for (const ModelValue& v : pipe->plan.inputs()) names.push_back(v.name());
+  auto data = stage::DataSource::FromValues(*inputs, *target, names);
+  ASSERT_TRUE(data.ok());
+
+  JobSpec one = SpecFor(OPTIMIZER_SGD, batch);
+  one.mutable_schedule()->set_microbatches(4);
+  ASSERT_TRUE(CheckSpec(&one).ok());
+  Ranks whole;
+  MakeRanks(one, pipe->plan, {Reload(pipe->stages[0]), Reload(pipe->stages[1])}, &whole);
+  RunSteps(whole, 0, kSteps, *data);
+
+  JobSpec two = SpecFor(OPTIMIZER_SGD, batch);
+  two.mutable_schedule()->set_microbatches(2);
+  two.set_replicas(2);
+  ASSERT_TRUE(CheckSpec(&two).ok()) << CheckSpec(&two);
+  // groups[p][r]: pipeline rank p of replica r.
+  std::vector<std::vector<std::unique_ptr<transport::gloo_group::GlooGroup>>> groups(2);
+  for (int p = 0; p < 2; ++p) {
+    std::vector<std::string> addresses;
+    for (int r = 0; r < 2; ++r) {
+      auto g = transport::gloo_group::GlooGroup::Create(r, 2, "127.0.0.1", absl::Seconds(30));
+      ASSERT_TRUE(g.ok()) << g.status();
+      addresses.push_back((*g)->address());
+      groups[p].push_back(std::move(*g));
+    }
+    std::vector<std::thread> connect;
+    for (int r = 0; r < 2; ++r) {
+      connect.emplace_back([&, p, r] { EXPECT_TRUE(groups[p][r]->Connect(addresses).ok()); });
+    }
+    for (auto& t : connect) t.join();
+  }
+  std::vector<Ranks> replicas(2);
+  for (int r = 0; r < 2; ++r) {
+    replicas[r].transports = transport::loopback::Create(2);
+    for (int p = 0; p < 2; ++p) {
+      auto rj = RankJob::Create(two, pipe->plan, p, {{p, Reload(pipe->stages[p])}}, replicas[r].transports[p].get(),
+                                absl::Seconds(30), groups[p][r].get());
+      ASSERT_TRUE(rj.ok()) << rj.status();
+      replicas[r].jobs.push_back(std::move(*rj));
+    }
+  }
+  std::vector<std::thread> runs;
+  for (int r = 0; r < 2; ++r) runs.emplace_back([&, r] { RunSteps(replicas[r], 0, kSteps, *data); });
+  for (auto& t : runs) t.join();
+
+  double worst = 0;
+  for (int p = 0; p < 2; ++p) {
+    auto a = whole.jobs[p]->stages().at(p).named_parameters(true);
+    for (int r = 0; r < 2; ++r) {
+      auto b = replicas[r].jobs[p]->stages().at(p).named_parameters(true);
+      auto ia = a.begin();
+      for (auto ib = b.begin(); ia != a.end() && ib != b.end(); ++ia, ++ib) {
+        const double rel = ((*ia).value - (*ib).value).abs().max().item<double>() /
+                           std::max(1e-12, (*ia).value.abs().max().item<double>());
+        worst = std::max(worst, rel);
+      }
+    }
+    // The replicas hold the same parameters, bitwise: they took the same averaged step.
+    auto x = replicas[0].jobs[p]->stages().at(p).named_parameters(true);
+    auto y = replicas[1].jobs[p]->stages().at(p).named_parameters(true);
+    auto ix = x.begin();
+    for (auto iy = y.begin(); ix != x.end() && iy != y.end(); ++ix, ++iy) {
+      EXPECT_TRUE(torch::equal((*ix).value, (*iy).value)) << (*ix).name;
+    }
+  }
+  std::cout << "[ figure   ] 2 replicas x 2 ranks vs 1 pipeline on the whole batch: max relative difference " << worst
+            << "\n";
+  EXPECT_LE(worst, 1e-6);
+}
+
+TEST(RankJobReplicas, GroupThatDoesNotMatchTheSpec_IsRefused) {
+  auto model = partition::LoadModel(Zoo("mlp.pt"));
+  ASSERT_TRUE(model.ok());
+  partition::SplitOptions so;
+  so.num_stages = 2;
+  auto pipe = partition::SplitModel(*model, so);
+  ASSERT_TRUE(pipe.ok());
+  JobSpec two = SpecFor(OPTIMIZER_SGD, 16);
+  two.set_replicas(2);
+  ASSERT_TRUE(CheckSpec(&two).ok());
+  auto transports = transport::loopback::Create(2);
+  auto rj = RankJob::Create(two, pipe->plan, 0, {{0, pipe->stages[0]}}, transports[0].get(), absl::Seconds(1));
+  EXPECT_TRUE(absl::IsInvalidArgument(rj.status())) << rj.status();
+  JobSpec odd = SpecFor(OPTIMIZER_SGD, 12);
+  odd.set_replicas(2);  // 12 rows do not split into 2 replicas x 4 micro-batches
+  EXPECT_THAT(std::string(CheckSpec(&odd).message()),
+              ::testing::HasSubstr("12 does not split into 2 replicas x 4 equal micro-batches"));
+}
 
 class RankJobStateErrorsTest : public ::testing::Test {
  protected:

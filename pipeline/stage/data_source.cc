@@ -15,8 +15,12 @@ c10::IValue Take(const c10::IValue& v, const at::Tensor& idx) {
   return v;  // non-tensor arguments are the same for every batch
 }
 
-at::Tensor Rows(int64_t step, int64_t batch, int64_t n) {
-  return at::remainder(at::arange(step * batch, (step + 1) * batch, at::kLong), n);
+// Replica `part` of `parts` takes the part-th of `parts` contiguous equal slices of
+// the step's batch.
+at::Tensor Rows(int64_t step, int64_t batch, int64_t n, int part, int parts) {
+  const int64_t slice = batch / parts;
+  const int64_t begin = step * batch + part * slice;
+  return at::remainder(at::arange(begin, begin + slice, at::kLong), n);
 }
 
 absl::StatusOr<c10::impl::GenericDict> LoadDict(absl::string_view bytes, const std::string& what) {
@@ -123,16 +127,16 @@ absl::StatusOr<DataSource> DataSource::FromShareBytes(absl::string_view bytes, c
   return ds;
 }
 
-std::vector<c10::IValue> DataSource::Inputs(int64_t step, int64_t batch) const {
-  at::Tensor idx = Rows(step, batch, num_samples_);
+std::vector<c10::IValue> DataSource::Inputs(int64_t step, int64_t batch, int replica, int replicas) const {
+  at::Tensor idx = Rows(step, batch, num_samples_, replica, replicas);
   std::vector<c10::IValue> out;
   for (const auto& v : inputs_) out.push_back(Take(v, idx));
   return out;
 }
 
-c10::IValue DataSource::Target(int64_t step, int64_t batch) const {
+c10::IValue DataSource::Target(int64_t step, int64_t batch, int replica, int replicas) const {
   if (target_.isNone()) return target_;
-  return Take(target_, Rows(step, batch, num_samples_));
+  return Take(target_, Rows(step, batch, num_samples_, replica, replicas));
 }
 
 }  // namespace pippy::stage

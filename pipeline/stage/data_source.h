@@ -1,6 +1,7 @@
 // Training data from a file written by Python's
 //   torch.save({"inputs": x_or_tuple_or_dict, "targets": y}, "data.pt")
-// Step k trains on samples [k*B, (k+1)*B) along dim 0, wrapping around the end.
+// Step k trains on samples [k*B, (k+1)*B) along dim 0, wrapping around the end (split
+// into R contiguous parts between R replicas of the pipeline).
 //
 // A rank needs only part of it: the model inputs its stages read and, if it computes
 // the loss, the targets. The coordinator cuts each rank's share with ShareBytes; the
@@ -44,9 +45,11 @@ class DataSource {
   bool has_targets() const { return !target_.isNone(); }
 
   // forward() arguments (None where this source lacks one) and target of step `step`
-  // with batch size `batch`.
-  std::vector<c10::IValue> Inputs(int64_t step, int64_t batch) const;
-  c10::IValue Target(int64_t step, int64_t batch) const;
+  // with batch size `batch`: samples [step*batch, (step+1)*batch), wrapping. With
+  // data parallelism, replica r of R takes the r-th of R contiguous equal slices of
+  // them (REQUIRES: batch % replicas == 0).
+  std::vector<c10::IValue> Inputs(int64_t step, int64_t batch, int replica = 0, int replicas = 1) const;
+  c10::IValue Target(int64_t step, int64_t batch, int replica = 0, int replicas = 1) const;
 
  private:
   std::vector<std::string> names_;

@@ -3,9 +3,11 @@
 #include <chrono>
 #include <cmath>
 #include <functional>
+#include <future>
 #include <set>
 #include <tuple>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -150,8 +152,76 @@ absl::StatusOr<std::unique_ptr<RankRuntime>> RankRuntime::Create(int rank, const
       for (const at::Tensor& p : rt->LocalParameters(s)) params.push_back(p);
     }
     PIPPY_ASSIGN_OR_RETURN(rt->optimizer_, MakeOptimizer(options.optimizer, params));
+    if (options.replicas != nullptr && options.replicas->size() > 1) {
+      const auto& actions = schedule.ranks[rank];
+      for (size_t pos = 0; pos < actions.size(); ++pos) {
+        const ActionType t = actions[pos].type;
+        if (t == ActionType::kBackward || t == ActionType::kBackwardWeight) {
+          for (auto it = rt->reduce_after_.begin(); it != rt->reduce_after_.end();) {
+            it = it->second == actions[pos].stage ? rt->reduce_after_.erase(it) : std::next(it);
+          }
+          rt->reduce_after_[pos] = actions[pos].stage;
+        }
+      }
+      for (const auto& [s, module] : rt->stages_) {
+        std::set<const void*> tied;
+        for (const auto& [p, g] : rt->tied_params_[s]) tied.insert(p.unsafeGetTensorImpl());
+        for (const at::Tensor& p : rt->LocalParameters(s)) {
+          if (!tied.count(p.unsafeGetTensorImpl())) rt->untied_params_[s].push_back(p);
+        }
+      }
+    }
   }
   return rt;
+}
+
+absl::Status RankRuntime::AverageAcrossReplicas(const std::vector<at::Tensor>& params) {
+  transport::ReplicaGroup* group = options_.replicas;
+  const double scale = 1.0 / group->size();
+  torch::NoGradGuard no_grad;
+  // Buckets of whole tensors, at most replica_bucket_bytes each (a bigger tensor is a
+  // bucket of its own); one flag per tensor says whether its gradient is defined.
+  size_t first = 0;
+  while (first < params.size()) {
+    size_t last = first, bytes = 0;
+    while (last < params.size() &&
+           (last == first || bytes + params[last].numel() * sizeof(float) <= options_.replica_bucket_bytes)) {
+      bytes += params[last].numel() * sizeof(float);
+      ++last;
+    }
+    PIPPY_RETURN_IF_ERROR(TorchCall("replica all-reduce", [&]() -> absl::Status {
+      std::vector<at::Tensor> pieces;
+      at::Tensor flags = torch::zeros({static_cast<int64_t>(last - first)}, at::kFloat);
+      for (size_t i = first; i < last; ++i) {
+        const at::Tensor& g = params[i].grad();
+        if (g.defined()) flags[static_cast<int64_t>(i - first)].fill_(1);
+        pieces.push_back(g.defined() ? g.reshape(-1).to(at::kFloat) : torch::zeros({params[i].numel()}, at::kFloat));
+      }
+      pieces.push_back(flags);
+      at::Tensor flat = torch::cat(pieces);
+      PIPPY_RETURN_IF_ERROR(group->AllReduceSum(flat));
+      flat.mul_(scale);
+      int64_t off = 0;
+      for (size_t i = first; i < last; ++i) {
+        at::Tensor p = params[i];
+        const int64_t n = p.numel();
+        const bool any = flat[flat.numel() - static_cast<int64_t>(last - first) + static_cast<int64_t>(i - first)]
+                             .item<float>() > 0;
+        if (any) {
+          at::Tensor avg = flat.narrow(0, off, n).view(p.sizes()).to(p.scalar_type());
+          if (p.grad().defined()) {
+            p.mutable_grad().copy_(avg);
+          } else {
+            p.mutable_grad() = avg.clone();
+          }
+        }
+        off += n;
+      }
+      return absl::OkStatus();
+    }, absl::StatusCode::kInternal));
+    first = last;
+  }
+  return absl::OkStatus();
 }
 
 std::vector<at::Tensor> RankRuntime::LocalParameters(int stage) const {
@@ -241,6 +311,21 @@ absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10:
   }
   st.final_outputs.resize(st.m);
   const auto& actions = schedule_.ranks[rank_];
+  // Data parallelism: each stage's gradients are averaged across the replicas on the
+  // reducer thread, one stage after the other, in the order the stages finish.
+  struct Reduction {
+    int stage;
+    int64_t begin_us = 0, duration_us = 0;
+    absl::Status status;
+  };
+  std::vector<std::shared_ptr<Reduction>> reductions;
+  std::shared_future<void> reducer = [] {
+    std::promise<void> done;
+    done.set_value();
+    return done.get_future().share();
+  }();
+  auto join_reducer = [&] { reducer.wait(); };
+  absl::Cleanup joined = join_reducer;  // every return waits: the tasks use this runtime
   for (size_t pos = 0; pos < actions.size(); ++pos) {
     absl::Status s = Execute(st, pos, actions[pos]);
     if (!s.ok()) {
@@ -250,6 +335,19 @@ absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10:
       }
       for (auto& [w, d] : st.pending_sends) w->Cancel();
       return s;
+    }
+    auto ready = training ? reduce_after_.find(pos) : reduce_after_.end();
+    if (ready != reduce_after_.end()) {
+      auto r = std::make_shared<Reduction>();
+      r->stage = ready->second;
+      reductions.push_back(r);
+      reducer = std::async(std::launch::async, [this, r, before = reducer] {
+                  before.wait();
+                  const auto begin = std::chrono::steady_clock::now();
+                  r->status = AverageAcrossReplicas(untied_params_[r->stage]);
+                  r->begin_us = Micros(begin);
+                  r->duration_us = Micros(std::chrono::steady_clock::now()) - r->begin_us;
+                }).share();
     }
   }
   StepResult result;
@@ -270,8 +368,39 @@ absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10:
     return absl::OkStatus();
   }));
   if (training) {
+    if (!reductions.empty()) {
+      double unused = 0;
+      const auto wait_begin = std::chrono::steady_clock::now();
+      PIPPY_RETURN_IF_ERROR(timed("replica all-reduce (wait)", &unused, [&]() -> absl::Status {
+        join_reducer();
+        for (const auto& r : reductions) {
+          if (!r->status.ok()) {
+            return absl::Status(r->status.code(), absl::StrCat("rank ", rank_, " step ", step, " stage ", r->stage,
+                                                               ": ", r->status.message()));
+          }
+        }
+        return absl::OkStatus();
+      }));
+      const int64_t blocked = Micros(std::chrono::steady_clock::now()) - Micros(wait_begin);
+      waited_us_ += blocked;  // blocked on the other replicas
+      st.trace.back().wait_us = blocked;
+      bd.allreduce_wait_seconds = static_cast<double>(blocked) * 1e-6;
+      for (const auto& r : reductions) {
+        st.trace.push_back({absl::StrCat("all-reduce ", r->stage), r->stage, r->begin_us, r->duration_us, 0, 0});
+        bd.allreduce_seconds += static_cast<double>(r->duration_us) * 1e-6;
+      }
+    }
     if (plan_.tied_size() > 0) {
       PIPPY_RETURN_IF_ERROR(timed("tied-gradient sync", &bd.transport_seconds, [&] { return SyncTiedGradients(st); }));
+    }
+    if (!reductions.empty() && plan_.tied_size() > 0) {
+      PIPPY_RETURN_IF_ERROR(timed("replica all-reduce (tied)", &bd.transport_seconds, [&]() -> absl::Status {
+        std::vector<at::Tensor> tied;
+        for (const auto& [s, ps] : tied_params_) {
+          for (const auto& [p, g] : ps) tied.push_back(p);
+        }
+        return AverageAcrossReplicas(tied);
+      }));
     }
     if (options_.clip_grad_norm > 0) {
       PIPPY_RETURN_IF_ERROR(timed("clip gradients", &bd.optimizer_seconds, [&]() -> absl::Status {

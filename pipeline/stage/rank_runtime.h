@@ -35,6 +35,7 @@
 #include "pipeline/stage/microbatch.h"
 #include "pipeline/stage/step_collectives.h"
 #include "pipeline/stage/training.h"
+#include "pipeline/transport/replica_group.h"
 #include "pipeline/transport/transport.h"
 #include "proto/plan.pb.h"
 #include "torch/script.h"
@@ -47,6 +48,14 @@ struct RuntimeOptions {
   double clip_grad_norm = 0;       // 0: no clipping
   absl::Duration timeout = absl::Seconds(60);  // per wait
   std::vector<ChunkSpec> input_chunks;        // per model input (default: dim 0)
+  // Data parallelism: the ranks holding this rank's stages in the other replicas.
+  // Each stage's gradients are averaged across them, in buckets of at most
+  // replica_bucket_bytes, on a reducer thread as soon as the stage's last backward
+  // action of the step has run (overlapping the rank's remaining actions); tied
+  // parameters after their tied sync. nullptr or size 1: no data parallelism. Must
+  // outlive the runtime.
+  transport::ReplicaGroup* replicas = nullptr;
+  size_t replica_bucket_bytes = 25 << 20;
 };
 
 // One timed piece of a step, for the trace: an action of the schedule ("1F3",
@@ -68,6 +77,11 @@ struct StepBreakdown {
   double transport_seconds = 0;    // posting sends and receives, decoding (not waiting)
   double optimizer_seconds = 0;    // the optimizer step and gradient clipping (not waiting)
   double other_seconds = 0;        // the rest: micro-batch split, bookkeeping
+  // Data parallelism (not part of the sum above): time the replica all-reduces ran on
+  // the reducer thread, and how much of it the step waited for at its end (counted in
+  // wait_seconds). 1 - waited / ran is the overlap with the rank's other work.
+  double allreduce_seconds = 0;
+  double allreduce_wait_seconds = 0;
 };
 
 struct StepResult {
@@ -137,6 +151,10 @@ class RankRuntime {
   // Waits (deadline, Cancel()) and counts the time blocked into the step's wait.
   absl::Status WaitFor(const std::shared_ptr<transport::Work>& work, const std::string& where);
   std::vector<at::Tensor> LocalParameters(int stage) const;
+  // Averages `params`' gradients across the replicas, in buckets (an undefined
+  // gradient counts as zero, and stays undefined if it is undefined in every replica).
+  // Runs on the reducer thread (or the step thread for tied parameters).
+  absl::Status AverageAcrossReplicas(const std::vector<at::Tensor>& params);
 
   // Constant after Create().
   int rank_ = 0;
@@ -148,6 +166,10 @@ class RankRuntime {
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   // Tied parameters of each local stage: (parameter, tie group).
   std::map<int, std::vector<std::pair<at::Tensor, int>>> tied_params_;
+  // Data parallelism: per local stage, the position of its last backward action in the
+  // rank's action list, and its parameters that are not tied (reduced then).
+  std::map<size_t, int> reduce_after_;
+  std::map<int, std::vector<at::Tensor>> untied_params_;
   // consumers_[s][j]: (consumer stage, its input index) for output j of stage s.
   std::vector<std::vector<std::vector<std::pair<int, int>>>> consumers_;
   // Time blocked in WaitFor since the step began (step thread only).
