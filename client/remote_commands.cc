@@ -3,6 +3,7 @@
 // written to disk as they go: pippyctl's memory does not grow with the model.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -90,12 +91,29 @@ void PrintJob(const Job& j) {
     std::cout << "  " << absl::FormatTime("%Y-%m-%d %H:%M:%S", absl::FromUnixMillis(ev.unix_ms()), absl::LocalTimeZone())
               << "  " << ev.message() << "\n";
   }
+  const int replicas = std::max(1, j.spec().replicas());
+  if (replicas > 1 && j.workers_size() > 0) {
+    // The replica x stage grid: which worker holds each stage of each replica.
+    const int per_replica = j.workers_size() / replicas;
+    for (int r = 0; r < replicas; ++r) {
+      std::vector<std::string> cells;
+      for (int st = 0; st < j.stage_ranks_size(); ++st) {
+        const int g = r * per_replica + j.stage_ranks(st);
+        cells.push_back(absl::StrCat("stage ", st, ": ", g < j.workers_size() ? j.workers(g) : "?"));
+      }
+      std::cout << "  replica " << r << ": " << absl::StrJoin(cells, ", ") << "\n";
+    }
+  }
   for (const StepBreakdown& b : j.breakdown()) {
     std::cout << absl::StrFormat(
-        "  rank %d, last step %.3f s: compute %.3f, waiting for peers %.3f, transport %.3f, optimizer %.3f, "
-        "other %.3f\n",
-        b.rank(), b.step_seconds(), b.compute_seconds(), b.wait_seconds(), b.transport_seconds(),
-        b.optimizer_seconds(), b.other_seconds());
+        "  rank %d%s, last step %.3f s: compute %.3f, waiting for peers %.3f, transport %.3f, optimizer %.3f, "
+        "other %.3f%s\n",
+        b.rank(), replicas > 1 ? absl::StrCat(" (replica ", b.replica(), ")") : "", b.step_seconds(),
+        b.compute_seconds(), b.wait_seconds(), b.transport_seconds(), b.optimizer_seconds(), b.other_seconds(),
+        b.allreduce_seconds() > 0
+            ? absl::StrFormat("; replica all-reduce %.3f, %.0f%% overlapped", b.allreduce_seconds(),
+                              100 * std::clamp(1 - b.allreduce_wait_seconds() / b.allreduce_seconds(), 0.0, 1.0))
+            : "");
   }
   if (j.losses_size() > 0) {
     std::cout << "  losses:";
@@ -187,6 +205,7 @@ struct SubmitFlags {
   std::optional<double> weight_decay, beta1, beta2, eps;
   std::optional<int> checkpoint_every, max_restarts;
   std::optional<double> recovery_timeout_s;
+  int replicas = 1;
   uint64_t seed = 0;
   bool wait = false;
 };
@@ -229,6 +248,7 @@ absl::StatusOr<JobSpec> SpecFrom(const SubmitFlags& f) {
   if (!f.data.empty()) spec.mutable_data()->set_file(std::filesystem::path(f.data).filename().string());
   spec.mutable_data()->set_synthetic(f.synthetic);
   spec.set_seed(f.seed);
+  spec.set_replicas(f.replicas);
   FaultToleranceSpec* ft = spec.mutable_fault_tolerance();
   if (f.checkpoint_every) ft->set_checkpoint_every(*f.checkpoint_every);
   if (f.max_restarts) ft->set_max_restarts(*f.max_restarts);
@@ -345,6 +365,10 @@ void AddSubmit(CLI::App& root, const GlobalFlags& g, int* exit_code) {
       ->check(cli::NonNegative())->capture_default_str();
   cmd->add_option("--name", f->name, "the job's name (default: the model file's name)");
   cmd->add_option("--seed", f->seed, "seeds each rank's random number generator (seed + rank) and synthetic data")->capture_default_str();
+  cmd->add_option("--replicas", f->replicas,
+                  "data parallelism: R copies of the pipeline (R x the workers), each training on a contiguous R-th "
+                  "of every batch, gradients averaged (gloo) before the optimizer steps")
+      ->check(cli::Positive())->capture_default_str();
   cmd->add_option("--checkpoint-every", f->checkpoint_every,
                   "checkpoint the training state every N steps, so that a lost worker or coordinator costs at "
                   "most N steps (default 50; 0: none, a restart begins at step 0)")
@@ -398,7 +422,9 @@ int RunWorkers(const GlobalFlags& g) {
     t.AddRow({w.worker_id(), w.name(), w.host(), w.device(), absl::StrCat(w.threads()),
               HumanBytes(static_cast<double>(w.free_memory())),
               absl::AsciiStrToLower(WorkerState_Name(w.state())), busy ? w.job_id() : "-",
-              busy ? absl::StrCat(w.rank()) : "-", busy ? absl::StrJoin(w.stages(), ",") : "-",
+              busy ? (w.replica() > 0 ? absl::StrCat(w.rank(), " (replica ", w.replica(), ")") : absl::StrCat(w.rank()))
+                   : "-",
+              busy ? absl::StrJoin(w.stages(), ",") : "-",
               busy && w.bytes_received() > 0 ? HumanBytes(static_cast<double>(w.bytes_received())) : "-"});
   }
   std::cout << t.Render();

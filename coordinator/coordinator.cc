@@ -56,8 +56,10 @@ void Coordinator::RestoreJobs() {
     if (Terminal(job.state())) continue;
     const std::string& id = job.job_id();
     e.stage_to_rank.assign(job.stage_ranks().begin(), job.stage_ranks().end());
-    e.ranks = e.stage_to_rank.empty() ? 0 : *std::max_element(e.stage_to_rank.begin(), e.stage_to_rank.end()) + 1;
-    for (int r = 0; r < e.ranks; ++r) {
+    e.per_replica =
+        e.stage_to_rank.empty() ? 0 : *std::max_element(e.stage_to_rank.begin(), e.stage_to_rank.end()) + 1;
+    e.ranks = e.per_replica * std::max(1, job.spec().replicas());
+    for (int r = 0; r < e.per_replica; ++r) {
       e.share_bytes.push_back(std::max<int64_t>(0, ArtifactStore::FileSize(artifacts_->SharePath(id, r))));
     }
     bool files = e.ranks > 0 && static_cast<int>(e.stage_to_rank.size()) == job.plan().stages_size();
@@ -174,13 +176,17 @@ absl::StatusOr<std::string> Coordinator::SubmitJob(const JobSpec& spec, std::uni
   {
     absl::MutexLock lock(&mu_);
     const int registered = static_cast<int>(workers_.size());
+    const int replicas = std::max(1, prepared->spec.replicas());
+    const int need = prepared->ranks * replicas;
     // No workers yet: a cluster starting up; the job waits. Some, but too few: refuse.
     absl::Status refused;
-    if (registered > 0 && prepared->ranks > registered) {
+    if (registered > 0 && need > registered) {
       refused = absl::InvalidArgumentError(absl::StrCat(
-          "split: the job needs ", prepared->ranks, " workers (", prepared->plan.stages_size(), " stages, ",
-          prepared->spec.schedule().stages_per_worker(), " per worker) but only ", registered,
-          " are registered; use fewer stages or more stages per worker (an interleaved schedule)"));
+          "split: the job needs ", need, " workers (", prepared->plan.stages_size(), " stages, ",
+          prepared->spec.schedule().stages_per_worker(), " per worker",
+          replicas > 1 ? absl::StrCat(", ", replicas, " replicas") : "", ") but only ", registered,
+          " are registered; use fewer stages, more stages per worker (an interleaved schedule)",
+          replicas > 1 ? " or fewer replicas" : ""));
     }
     if (refused.ok()) {
       id = absl::StrCat("job-", next_job_++);
@@ -197,15 +203,17 @@ absl::StatusOr<std::string> Coordinator::SubmitJob(const JobSpec& spec, std::uni
     entry.job.set_state(PARTITIONING);
     entry.job.set_created_unix_ms(NowMs());
     entry.job.set_model_bytes(upload->model_bytes());
-    entry.ranks = prepared->ranks;
+    entry.per_replica = prepared->ranks;
+    entry.ranks = need;
     entry.stage_to_rank = prepared->stage_to_rank;
     for (int r : prepared->stage_to_rank) entry.job.add_stage_ranks(r);
     entry.share_bytes = prepared->share_bytes;
     entry.stages = prepared->stages;
     Touch(entry);
     jobs_[id] = std::move(entry);
-    log::Info("job={} accepted: {} stages on {} workers, schedule {}", id, prepared->plan.stages_size(),
-              prepared->ranks, job::ScheduleName(prepared->spec.schedule().kind()));
+    log::Info("job={} accepted: {} stages on {} workers{}, schedule {}", id, prepared->plan.stages_size(), need,
+              replicas > 1 ? absl::StrCat(" (", replicas, " replicas)") : "",
+              job::ScheduleName(prepared->spec.schedule().kind()));
   }
   prepared->stages.reset();  // the job entry holds them until they are out
   tasks_.Run([this, id] { StageOut(id); });
@@ -410,7 +418,7 @@ absl::StatusOr<StepTrace> Coordinator::GetTrace(const std::string& job_id, int s
     const std::string& wid = rank < e.job.workers_size() ? e.job.workers(rank) : "";
     auto w = workers_.find(wid);
     rt->set_worker(w != workers_.end() ? w->second.info.name() : wid);
-    for (int s : StagesOfRank(e.stage_to_rank, rank)) rt->add_stages(s);
+    for (int s : StagesOfRank(e.stage_to_rank, rank % std::max(1, e.per_replica))) rt->add_stages(s);
     rt->set_steady_anchor_us(r.steady_anchor_us());
     rt->set_unix_anchor_us(r.unix_anchor_us());
     *rt->mutable_breakdown() = r.breakdown();
@@ -477,7 +485,9 @@ void Coordinator::RemoveWorker(const std::string& worker_id, const std::string& 
       if (job != jobs_.end() && !Terminal(job->second.job.state()) && job->second.job.state() != RECOVERING &&
           attempt == job->second.job.attempt()) {
         Recover(job->second,
-                absl::StrCat("worker ", info.name(), " (", worker_id, ", rank ", info.rank(), ", stages ",
+                absl::StrCat("worker ", info.name(), " (", worker_id, ", rank ", info.rank(),
+                             job->second.job.spec().replicas() > 1 ? absl::StrCat(" of replica ", info.replica()) : "",
+                             ", stages ",
                              absl::StrJoin(StagesOfRank(job->second.stage_to_rank, info.rank()), ","), ") ", why),
                 &out);
       }
@@ -544,6 +554,7 @@ void Coordinator::Recover(JobEntry& e, const std::string& what, Outbox* out) {
   e.job.mutable_step_seconds()->Truncate(std::min(e.job.step_seconds_size(), from));
   e.job.clear_breakdown();
   e.addresses.clear();
+  e.gloo_addresses.clear();
   e.reports.clear();
   e.finished.clear();
   e.assembling = false;
@@ -599,12 +610,14 @@ std::vector<Coordinator::RankSend> Coordinator::Place(JobEntry& e, const std::ve
   absl::StatusOr<schedule::Schedule> sched = job::ScheduleFor(e.job.spec(), e.job.plan());
   std::vector<RankSend> sends;
   for (size_t r = 0; r < workers.size(); ++r) {
-    const int rank = static_cast<int>(r);
+    const int global = static_cast<int>(r);
+    const int rank = global % e.per_replica, replica = global / e.per_replica;
     WorkerEntry& w = workers_[workers[r]];
     w.attempt = e.job.attempt();
     w.info.set_state(BUSY);
     w.info.set_job_id(job_id);
     w.info.set_rank(rank);
+    w.info.set_replica(replica);
     w.info.clear_stages();
     w.info.set_bytes_received(0);
     w.info.set_loaded_param_bytes(0);
@@ -617,7 +630,8 @@ std::vector<Coordinator::RankSend> Coordinator::Place(JobEntry& e, const std::ve
     as->set_job_id(job_id);
     *as->mutable_spec() = e.job.spec();
     as->set_rank(rank);
-    as->set_world_size(static_cast<int>(workers.size()));
+    as->set_world_size(e.per_replica);
+    as->set_replica(replica);
     // The schedule was made and validated at submission; it cannot fail here.
     *as->mutable_plan() = sched.ok() ? job::PlanSliceFor(e.job.plan(), *sched, rank) : e.job.plan();
     send.stages = StagesOfRank(e.stage_to_rank, rank);
@@ -628,13 +642,13 @@ std::vector<Coordinator::RankSend> Coordinator::Place(JobEntry& e, const std::ve
       if (s < e.job.stage_file_bytes_size()) f->set_bytes(e.job.stage_file_bytes(s));
       w.info.add_stages(s);
     }
-    as->set_data_bytes(e.share_bytes[r]);
+    as->set_data_bytes(e.share_bytes[rank]);
     as->set_attempt(e.job.attempt());
     const int from = e.job.checkpoint_step();
     if (from > 0) {
       // A restart from a checkpoint: its stages and the rank's training state.
       as->set_start_step(from);
-      send.state_file = artifacts_->CheckpointStatePath(job_id, from, rank);
+      send.state_file = artifacts_->CheckpointStatePath(job_id, from, global);
       as->set_state_bytes(std::max<int64_t>(0, ArtifactStore::FileSize(send.state_file)));
       for (Assignment::StageFile& f : *as->mutable_stages()) {
         f.set_bytes(std::max<int64_t>(0, ArtifactStore::FileSize(artifacts_->CheckpointStagePath(job_id, from, f.stage()))));
@@ -763,7 +777,7 @@ void Coordinator::OnResultChunk(const std::string& job_id, int attempt, int stag
 }
 
 void Coordinator::OnCheckpointChunk(const CheckpointChunk& c) {
-  int ranks = 0, stages = 0;
+  int ranks = 0, stages = 0, per_replica = 0;
   {
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(c.job_id());
@@ -772,14 +786,19 @@ void Coordinator::OnCheckpointChunk(const CheckpointChunk& c) {
       return;  // an earlier attempt's, or the job ended
     }
     ranks = it->second.ranks;
+    per_replica = it->second.per_replica;
     stages = it->second.job.plan().stages_size();
   }
-  if (c.rank() < 0 || c.rank() >= ranks || c.stage() < -1 || c.stage() >= stages || c.step() <= 0) {
+  // Stages come from replica 0 (the replicas hold the same parameters); every rank's
+  // training state (its own random generator) is kept.
+  const int global = c.replica() * per_replica + c.rank();
+  if (c.rank() < 0 || c.rank() >= per_replica || global >= ranks || c.stage() < -1 || c.stage() >= stages ||
+      c.step() <= 0 || (c.stage() >= 0 && c.replica() != 0)) {
     log::Warn("job={} a checkpoint piece names rank {} stage {} step {}: ignored", c.job_id(), c.rank(), c.stage(),
               c.step());
     return;
   }
-  absl::StatusOr<bool> done = artifacts_->AppendCheckpoint(c.job_id(), c.step(), c.rank(), c.stage(), c.chunk(),
+  absl::StatusOr<bool> done = artifacts_->AppendCheckpoint(c.job_id(), c.step(), global, c.stage(), c.chunk(),
                                                            c.last_chunk());
   if (!done.ok() || !*done) {
     // A checkpoint that cannot be written is not fatal: the job keeps its last one.
@@ -791,7 +810,7 @@ void Coordinator::OnCheckpointChunk(const CheckpointChunk& c) {
   if (it == jobs_.end() || it->second.job.attempt() != c.attempt() || Terminal(it->second.job.state())) return;
   JobEntry& e = it->second;
   auto& pieces = e.checkpoint_pieces[c.step()];
-  pieces.insert({c.rank(), c.stage()});
+  pieces.insert({c.stage() >= 0 ? 0 : global, c.stage()});
   if (static_cast<int>(pieces.size()) < stages + ranks || c.step() <= e.job.checkpoint_step()) return;
   // Every stage and every rank's state arrived whole: commit (files durable first,
   // then the record names the step), and drop the earlier checkpoints.
@@ -833,10 +852,18 @@ void Coordinator::OnWorkerMessage(const std::string& worker_id, const WorkerMess
     w->second.last_heartbeat = absl::Now();
     w->second.info.set_last_heartbeat_unix_ms(NowMs());
     std::string job_id;
-    int attempt = 0;
-    if (m.has_address()) std::tie(job_id, attempt) = std::make_pair(m.address().job_id(), m.address().attempt());
-    if (m.has_step()) std::tie(job_id, attempt) = std::make_pair(m.step().job_id(), m.step().attempt());
-    if (m.has_finished()) std::tie(job_id, attempt) = std::make_pair(m.finished().job_id(), m.finished().attempt());
+    int attempt = 0, replica = 0;
+    if (m.has_address()) {
+      std::tie(job_id, attempt, replica) = std::make_tuple(m.address().job_id(), m.address().attempt(),
+                                                           m.address().replica());
+    }
+    if (m.has_step()) {
+      std::tie(job_id, attempt, replica) = std::make_tuple(m.step().job_id(), m.step().attempt(), m.step().replica());
+    }
+    if (m.has_finished()) {
+      std::tie(job_id, attempt, replica) = std::make_tuple(m.finished().job_id(), m.finished().attempt(),
+                                                           m.finished().replica());
+    }
     auto jit = job_id.empty() ? jobs_.end() : jobs_.find(job_id);
     if (m.has_finished() && w->second.info.job_id() == job_id && w->second.attempt == attempt) {
       w->second.info.set_state(IDLE);
@@ -847,16 +874,26 @@ void Coordinator::OnWorkerMessage(const std::string& worker_id, const WorkerMess
     if (jit != jobs_.end() && !Terminal(jit->second.job.state()) && jit->second.job.attempt() == attempt &&
         jit->second.job.state() != RECOVERING) {
       JobEntry& e = jit->second;
+      const int P = std::max(1, e.per_replica);
       if (m.has_address()) {
-        e.addresses[m.address().rank()] = m.address().ucx_address();
+        const int global = replica * P + m.address().rank();
+        e.addresses[global] = m.address().ucx_address();
+        e.gloo_addresses[global] = m.address().gloo_address();
         w->second.info.set_bytes_received(m.address().bytes_received());
         w->second.info.set_loaded_param_bytes(m.address().loaded_param_bytes());
         if (static_cast<int>(e.addresses.size()) == e.ranks) {
-          CoordinatorMessage p;
-          p.mutable_peers()->set_job_id(job_id);
-          p.mutable_peers()->set_attempt(e.job.attempt());
-          for (const auto& [r, a] : e.addresses) p.mutable_peers()->add_ucx_addresses(a);
-          for (const std::string& wid : e.job.workers()) out.emplace_back(workers_[wid].channel, p);
+          // Each rank gets its replica's UCX addresses and its replica group's.
+          for (int g = 0; g < e.ranks && g < e.job.workers_size(); ++g) {
+            const int rr = g / P, pr = g % P;
+            CoordinatorMessage p;
+            p.mutable_peers()->set_job_id(job_id);
+            p.mutable_peers()->set_attempt(e.job.attempt());
+            for (int k = 0; k < P; ++k) p.mutable_peers()->add_ucx_addresses(e.addresses[rr * P + k]);
+            if (e.ranks > P) {
+              for (int k = 0; k * P < e.ranks; ++k) p.mutable_peers()->add_gloo_addresses(e.gloo_addresses[k * P + pr]);
+            }
+            out.emplace_back(workers_[e.job.workers(g)].channel, p);
+          }
           e.job.set_state(RUNNING);
           log::Info("job={} running: {} ranks connected{}", job_id, e.ranks,
                     e.job.attempt() > 0 ? absl::StrCat(" (attempt ", e.job.attempt(), ", from step ",
@@ -866,19 +903,25 @@ void Coordinator::OnWorkerMessage(const std::string& worker_id, const WorkerMess
         }
       } else if (m.has_step()) {
         auto& reports = e.reports[m.step().step()];
-        reports[m.step().rank()] = m.step();  // a repeated report replaces the earlier one
+        reports[replica * P + m.step().rank()] = m.step();  // a repeated report replaces the earlier one
         if (static_cast<int>(reports.size()) == e.ranks) {
           double busy = 0, step_s = 0, loss = 0;
+          int losses = 0;
           e.job.clear_breakdown();
           for (const auto& [rank, r] : reports) {
             busy += r.busy_seconds();
             step_s = std::max(step_s, r.step_seconds());
-            if (r.has_loss()) loss = r.loss();
+            if (r.has_loss()) {
+              loss += r.loss();  // each replica's mean over its slice; the step's is their mean
+              ++losses;
+            }
             StepBreakdown* b = e.job.add_breakdown();
             *b = r.breakdown();
             b->set_rank(rank);
+            b->set_replica(rank / P);
             b->set_step_seconds(r.step_seconds());
           }
+          if (losses > 0) loss /= losses;
           e.job.set_step(m.step().step() + 1);
           if (e.job.spec().mode() == MODE_TRAIN) e.job.add_losses(loss);
           e.job.add_step_seconds(step_s);
@@ -892,8 +935,9 @@ void Coordinator::OnWorkerMessage(const std::string& worker_id, const WorkerMess
         }
       } else if (m.has_finished()) {
         const auto code = static_cast<absl::StatusCode>(m.finished().code());
-        const std::string what =
-            absl::StrCat("rank ", m.finished().rank(), " on worker ", w->second.info.name(), ": ", m.finished().error());
+        const std::string what = absl::StrCat("rank ", m.finished().rank(),
+                                              e.ranks > P ? absl::StrCat(" of replica ", replica) : "", " on worker ",
+                                              w->second.info.name(), ": ", m.finished().error());
         if (!m.finished().ok() &&
             (code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded)) {
           // A peer gone or silent: the job restarts (the lost worker, if it is lost,
@@ -902,7 +946,7 @@ void Coordinator::OnWorkerMessage(const std::string& worker_id, const WorkerMess
         } else if (!m.finished().ok()) {
           Finish(e, FAILED, what, &out);
         } else {
-          e.finished.insert(m.finished().rank());
+          e.finished.insert(replica * P + m.finished().rank());
           if (static_cast<int>(e.finished.size()) == e.ranks && !e.assembling) {
             e.assembling = true;
             assemble_job = job_id;

@@ -117,11 +117,15 @@ class Coordinator {
  private:
   struct JobEntry {
     Job job;
+    // Ranks of one pipeline (per_replica) and of the job (ranks = replicas x
+    // per_replica). Ranks are numbered replica * per_replica + pipeline rank ("global").
+    int per_replica = 0;
     int ranks = 0;
-    std::vector<int> stage_to_rank;
-    std::vector<int64_t> share_bytes;   // by rank
+    std::vector<int> stage_to_rank;     // pipeline rank of each stage
+    std::vector<int64_t> share_bytes;   // by pipeline rank (every replica reads the same share)
     int64_t version = 0;
-    std::map<int, std::string> addresses;             // rank -> UCX address
+    std::map<int, std::string> addresses;             // global rank -> UCX address
+    std::map<int, std::string> gloo_addresses;        // global rank -> replica-group address
     std::map<int, std::map<int, StepReport>> reports;  // step -> rank -> report, until complete
     std::map<int, std::map<int, StepReport>> traces;   // the last kTracedSteps complete steps
     std::set<int> finished;                           // ranks that finished ok

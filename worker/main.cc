@@ -26,6 +26,9 @@ int main(int argc, char** argv) {
   app.add_option("--threads", o.threads, "compute threads for LibTorch and OpenBLAS")->check(CLI::Range(1, 1024))->capture_default_str();
   app.add_option("--ucx-tls", o.ucx_tls, "UCX transports for the data plane (default: UCX chooses; e.g. sm,self "
                                          "or tcp,self)");
+  app.add_option("--replica-host", o.replica_host,
+                 "data parallelism (--replicas): the address the other replicas reach this worker at "
+                 "(default: the host's name)");
   app.add_option("--wait-timeout-s", wait_timeout_s, "deadline of every wait inside a training step")
       ->check(cli::Positive())->capture_default_str();
   app.add_option("--reconnect-timeout-s", reconnect_timeout_s,

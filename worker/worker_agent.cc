@@ -24,6 +24,7 @@
 #include "pipeline/partition/model_io.h"
 #include "pipeline/stage/data_source.h"
 #include "pipeline/stage/microbatch.h"
+#include "pipeline/transport/gloo/gloo_group.h"
 #include "pipeline/transport/ucx/ucx_transport.h"
 #include "proto/coordinator.grpc.pb.h"
 #include "torch/csrc/jit/runtime/graph_executor.h"
@@ -196,6 +197,7 @@ class Agent {
       attempt_ = m.assignment().attempt();
       cancelled_ = false;
       peers_.clear();
+      replica_peers_.clear();
       log::Info("job={} rank={}: receiving {} stage(s) and {} bytes of data{}", job_id_, m.assignment().rank(),
                 m.assignment().stages_size(), m.assignment().data_bytes(),
                 m.assignment().attempt() > 0
@@ -238,6 +240,7 @@ class Agent {
       absl::MutexLock lock(&mu_);
       if (m.peers().job_id() != job_id_ || m.peers().attempt() != attempt_) return;
       peers_.assign(m.peers().ucx_addresses().begin(), m.peers().ucx_addresses().end());
+      replica_peers_.assign(m.peers().gloo_addresses().begin(), m.peers().gloo_addresses().end());
     } else if (m.has_cancel()) {
       {
         absl::MutexLock lock(&mu_);
@@ -288,6 +291,7 @@ class Agent {
     f.mutable_finished()->set_error(std::string(s.message()));
     f.mutable_finished()->set_code(static_cast<int>(s.code()));
     f.mutable_finished()->set_attempt(a.attempt());
+    f.mutable_finished()->set_replica(a.replica());
     Write(f);
   }
 
@@ -334,6 +338,7 @@ class Agent {
         c->set_attempt(a.attempt());
         c->set_step(step);
         c->set_rank(a.rank());
+        c->set_replica(a.replica());
         c->set_stage(stage);
         bytes += static_cast<int64_t>(chunk.size());
         c->set_chunk(std::move(chunk));
@@ -343,7 +348,10 @@ class Agent {
         return absl::OkStatus();
       };
     };
+    // The replicas hold the same parameters: replica 0 sends the stages, every replica
+    // its training state (its own random generator).
     for (const auto& [s, module] : rank_job.stages()) {
+      if (a.replica() != 0) break;
       Chunker chunker(kResultChunk, sender(s));
       PIPPY_RETURN_IF_ERROR(
           partition::WriteModule(module, [&](absl::string_view piece) { return chunker.Append(piece); }));
@@ -397,7 +405,7 @@ class Agent {
               in.bytes_received);
     at::set_num_threads(options_.threads);
     torch::jit::setGraphExecutorOptimize(false);
-    job::SeedProcessForRank(spec, a.rank());
+    job::SeedProcessForRank(spec, a.rank(), a.replica(), a.world_size());
     std::map<int, torch::jit::Module> stages;
     int64_t param_bytes = 0;
     for (auto& [s, bytes] : in.stages) {
@@ -422,8 +430,23 @@ class Agent {
     addr.mutable_address()->set_bytes_received(in.bytes_received);
     addr.mutable_address()->set_loaded_param_bytes(param_bytes);
     addr.mutable_address()->set_attempt(a.attempt());
+    addr.mutable_address()->set_replica(a.replica());
+    // Data parallelism: this rank's endpoints for its replica group (gloo, TCP).
+    const int replicas = std::max(1, spec.replicas());
+    std::unique_ptr<transport::gloo_group::GlooGroup> group;
+    if (replicas > 1) {
+      std::string host = options_.replica_host;
+      if (host.empty()) {
+        char name[256] = {0};
+        gethostname(name, sizeof(name) - 1);
+        host = name;
+      }
+      PIPPY_ASSIGN_OR_RETURN(group, transport::gloo_group::GlooGroup::Create(a.replica(), replicas, host,
+                                                                             options_.wait_timeout));
+      addr.mutable_address()->set_gloo_address(group->address());
+    }
     Write(addr);
-    std::vector<std::string> peers;
+    std::vector<std::string> peers, replica_peers;
     {
       absl::MutexLock lock(&mu_);
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !peers_.empty() || cancelled_; };
@@ -433,10 +456,12 @@ class Agent {
       }
       if (cancelled_) return absl::CancelledError("cancelled");
       peers = peers_;
+      replica_peers = replica_peers_;
     }
     PIPPY_RETURN_IF_ERROR(ucx->Connect(peers));
+    if (group != nullptr) PIPPY_RETURN_IF_ERROR(group->Connect(replica_peers));
     PIPPY_ASSIGN_OR_RETURN(auto rank_job, job::RankJob::Create(spec, a.plan(), a.rank(), std::move(stages),
-                                                               ucx.get(), options_.wait_timeout));
+                                                               ucx.get(), options_.wait_timeout, group.get()));
     {
       absl::MutexLock lock(&mu_);
       if (cancelled_) return absl::CancelledError("cancelled");
@@ -464,6 +489,7 @@ class Agent {
       sr->set_rank(a.rank());
       sr->set_step(step);
       sr->set_attempt(a.attempt());
+      sr->set_replica(a.replica());
       sr->set_has_loss(res.has_loss);
       sr->set_loss(res.loss);
       sr->set_busy_seconds(res.busy_seconds);
@@ -476,6 +502,9 @@ class Agent {
       bd->set_transport_seconds(res.breakdown.transport_seconds);
       bd->set_optimizer_seconds(res.breakdown.optimizer_seconds);
       bd->set_other_seconds(res.breakdown.other_seconds);
+      bd->set_replica(a.replica());
+      bd->set_allreduce_seconds(res.breakdown.allreduce_seconds);
+      bd->set_allreduce_wait_seconds(res.breakdown.allreduce_wait_seconds);
       for (const stage::TraceEvent& t : res.trace) {
         TraceEvent* e = sr->add_events();
         e->set_name(t.name);
@@ -499,7 +528,7 @@ class Agent {
     // trained stages.
     if (inference) {
       if (!outputs.empty()) PIPPY_RETURN_IF_ERROR(SendOutputs(a, outputs));
-    } else {
+    } else if (a.replica() == 0) {  // the replicas hold the same parameters
       for (const auto& [s, module] : rank_job->stages()) PIPPY_RETURN_IF_ERROR(SendStage(a, s, module));
     }
     return absl::OkStatus();
@@ -515,6 +544,7 @@ class Agent {
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   job::RankJob* running_ ABSL_GUARDED_BY(mu_) = nullptr;  // the job's rank while it runs
   std::vector<std::string> peers_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> replica_peers_ ABSL_GUARDED_BY(mu_);  // the replica group's gloo addresses
   // Run()'s thread only.
   std::string worker_id_;          // the id the coordinator gave; kept across reconnections
   bool registered_ = false;        // in the current session

@@ -27,6 +27,9 @@ struct AgentOptions {
   std::string device = "cpu";
   int threads = 1;
   std::string ucx_tls;  // empty: UCX chooses
+  // Data parallelism: the address other replicas reach this worker's gloo endpoints at
+  // (empty: the host's name).
+  std::string replica_host;
   absl::Duration heartbeat = absl::Seconds(1);
   absl::Duration wait_timeout = absl::Seconds(60);  // each wait inside a step
   absl::Duration connect_timeout = absl::Seconds(10);
