@@ -71,20 +71,21 @@ print((time.perf_counter() - t0) / {steps})
 
 
 class Daemons:
-    def __init__(self, bin_dir, tmp, env):
+    def __init__(self, bin_dir, tmp, env, workers=P):
         self.port = free_port()
         self.env = env
         self.logs = []
         self.procs = []
         self.start(f"{bin_dir}/coordinator/pippy-coordinator", "--bind", "127.0.0.1", "--port", str(self.port),
                    "--state-dir", f"{tmp}/state", log=f"{tmp}/coordinator.log")
-        for i in range(P):
+        for i in range(workers):
             self.start(f"{bin_dir}/worker/pippy-worker", "--coordinator", f"127.0.0.1:{self.port}", "--name",
-                       f"w{i}", "--threads", "1", "--ucx-tls", "sm,self", log=f"{tmp}/worker{i}.log")
+                       f"w{i}", "--threads", "1", "--ucx-tls", "sm,self", "--replica-host", "127.0.0.1",
+                       log=f"{tmp}/worker{i}.log")
         self.ctl = [f"{bin_dir}/client/pippyctl", "--coordinator", f"127.0.0.1:{self.port}"]
         for _ in range(200):
             r = subprocess.run(self.ctl + ["workers", "--output", "json"], capture_output=True, text=True)
-            if r.returncode == 0 and sum(w["state"] == "IDLE" for w in json.loads(r.stdout).get("workers", [])) == P:
+            if r.returncode == 0 and sum(w["state"] == "IDLE" for w in json.loads(r.stdout).get("workers", [])) == workers:
                 return
             time.sleep(0.1)
         raise RuntimeError("workers did not register")
@@ -107,11 +108,12 @@ class Daemons:
             f.close()
 
 
-def pippy_run(d, tmp, name, schedule, m, batch, steps):
+def pippy_run(d, tmp, name, schedule, m, batch, steps, replicas=1):
     r = subprocess.run(d.ctl + ["submit", f"{tmp}/{name}.pt", "--data", f"{tmp}/{name}.data.pt", "--stages", str(P),
                                 "--schedule", schedule, "--microbatches", str(m), "--batch-size", str(batch),
                                 "--steps", str(steps + 1), "--loss", "mse", "--optimizer", "sgd", "--lr", "1e-4",
-                                "--wait", "--output", "json"], capture_output=True, text=True)
+                                "--replicas", str(replicas), "--wait", "--output", "json"],
+                       capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"pippy job failed: {r.stderr}")
     job = json.loads(r.stdout.splitlines()[0])["job_id"]
@@ -121,14 +123,16 @@ def pippy_run(d, tmp, name, schedule, m, batch, steps):
     return batch / statistics.mean(times), job, j
 
 
-def gloo_run(bench_dir, tmp, name, schedule, m, batch, steps, env):
+def gloo_run(bench_dir, tmp, name, schedule, m, batch, steps, env, replicas=1):
     port = free_port()
-    args = [f"{tmp}/{name}.pt", f"{tmp}/{name}.data.pt", schedule, str(m), str(batch), str(steps)]
-    other = subprocess.Popen(["/usr/bin/python3", f"{bench_dir}/daemon_bench_gloo.py", "1", "2", str(port)] + args,
-                             env=env, stdout=subprocess.DEVNULL)
-    out = subprocess.run(["/usr/bin/python3", f"{bench_dir}/daemon_bench_gloo.py", "0", "2", str(port)] + args,
+    world = P * replicas
+    args = [f"{tmp}/{name}.pt", f"{tmp}/{name}.data.pt", schedule, str(m), str(batch), str(steps), str(replicas)]
+    others = [subprocess.Popen(["/usr/bin/python3", f"{bench_dir}/daemon_bench_gloo.py", str(r), str(world),
+                                str(port)] + args, env=env, stdout=subprocess.DEVNULL) for r in range(1, world)]
+    out = subprocess.run(["/usr/bin/python3", f"{bench_dir}/daemon_bench_gloo.py", "0", str(world), str(port)] + args,
                          env=env, capture_output=True, text=True, check=True)
-    other.wait(timeout=600)
+    for o in others:
+        o.wait(timeout=600)
     return float(out.stdout)
 
 
