@@ -319,7 +319,9 @@ TEST_F(CoordinatorTest, ThreeStageJob_EachWorkerIsSentOnlyItsStageAndItsShareOfT
     }
     // Data: inputs for the first stage's rank, targets for the last's, nothing between.
     EXPECT_EQ(static_cast<int64_t>(got.data.size()), a.data_bytes());
-    if (a.rank() == 1) EXPECT_TRUE(got.data.empty());
+    if (a.rank() == 1) {
+      EXPECT_TRUE(got.data.empty());
+    }
     if (a.rank() != 1) {
       std::vector<char> raw(got.data.begin(), got.data.end());
       auto share = torch::jit::pickle_load(raw).toGenericDict();
