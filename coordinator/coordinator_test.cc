@@ -654,5 +654,27 @@ TEST_F(CoordinatorTest, Restart_ResumesPlacedJobs_WorkersKeepTheirIds_FinishedOn
   EXPECT_EQ(coordinator_->GetJob(*unfinished)->state(), PLACING);
 }
 
+// A queued job (no workers yet) is queued again after a restart and placed from its
+// stage files when workers come.
+TEST_F(CoordinatorTest, Restart_KeepsQueuedJobsQueued) {
+  Start("restart_queued");
+  auto id = Submit(MlpSpec(2), Slurp(kZoo + "mlp.pt"), Slurp(kZoo + "mlp.data.pt"));
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_EQ(WaitForState(*id, QUEUED).state(), QUEUED);
+  coordinator_.reset();
+  Start("restart_queued", 1 << 20, /*keep_state=*/true);
+  Job again = *coordinator_->GetJob(*id);
+  EXPECT_EQ(again.state(), QUEUED);
+  auto workers = AddWorkers(2);
+  for (auto& w : workers) {
+    Received r = Collect(w->WaitFor(AssignmentArrived));
+    ASSERT_TRUE(r.complete);
+    EXPECT_EQ(r.assignment.attempt(), 0);
+    EXPECT_EQ(r.stages.at(r.assignment.rank()),
+              Slurp(absl::StrCat(state_, "/jobs/", *id, "/stage_", r.assignment.rank(), ".pt")));
+  }
+  EXPECT_EQ(coordinator_->GetJob(*id)->state(), PLACING);
+}
+
 }  // namespace
 }  // namespace pippy::coordinator
