@@ -56,9 +56,24 @@ json_get() {  # JOB EXPR (python on the job record j)
 }
 idle_workers() { ctl workers --output json | /usr/bin/python3 -c \
   "import json,sys; print(sum(1 for w in json.load(sys.stdin).get('workers', []) if w['state']=='IDLE'))"; }
-wait_idle() {  # N
-  for _ in $(seq 150); do [ "$(idle_workers)" = "$1" ] && return 0; sleep 0.1; done
+registered_workers() { ctl workers --output json | /usr/bin/python3 -c \
+  "import json,sys; print(' '.join(w['name'] for w in json.load(sys.stdin).get('workers', [])))"; }
+wait_idle() {  # N: exactly N workers registered, all idle
+  for _ in $(seq 300); do
+    [ "$(idle_workers)" = "$1" ] && [ "$(registered_workers | wc -w)" = "$1" ] && return 0
+    sleep 0.1
+  done
+  echo "expected $1 idle workers; registered: $(registered_workers), idle: $(idle_workers)"
   return 1
+}
+keep_workers() {  # N: kills registered workers until N are left (and gone from the list)
+  local names
+  names=($(registered_workers))
+  while [ "${#names[@]}" -gt "$1" ]; do
+    kill -9 "${worker_pid[${names[0]}]}"
+    for _ in $(seq 100); do registered_workers | grep -qw "${names[0]}" || break; sleep 0.1; done
+    names=("${names[@]:1}")
+  done
 }
 wait_until() {  # JOB PYTHON-CONDITION [tries of 0.1 s]
   for _ in $(seq "${3:-300}"); do
@@ -84,7 +99,7 @@ for _ in range(6):
 torch.jit.script(torch.nn.Sequential(*layers)).save(f"{tmp}/model.pt")
 torch.save({"inputs": torch.randn(256, 256), "targets": torch.randn(256, 256)}, f"{tmp}/data.pt")
 PY
-STEPS=200
+STEPS=120
 JOB=(--data "$TMP/data.pt" --stages 2 --schedule 1f1b --microbatches 4 --batch-size 64 --steps $STEPS --loss mse
      --optimizer adamw --lr 0.001 --seed 7)
 submit() { ctl submit "$TMP/model.pt" "${JOB[@]}" "$@"; }
@@ -135,13 +150,11 @@ grep -q "restarting from step" "$TMP/$job.watch" && ok "watch shows the restart"
 # 2. --checkpoint-every 1 and a worker that dies in the middle of sending its
 #    checkpoint after step 6: exactly it and one other are idle when the job is placed;
 #    a spare registers once the job runs.
-remaining=$(ctl workers --output json | /usr/bin/python3 -c \
-  "import json,sys; print(' '.join(w['name'] for w in json.load(sys.stdin)['workers']))")
-set -- $remaining
-kill -9 "${worker_pid[$1]}"
+wait_idle 2
+keep_workers 1
 start_worker PIPPY_TEST_DIE_IN_CHECKPOINT=6
 faulty=$last_worker
-wait_idle 2
+wait_idle 2 || bad "the faulty worker and one other are idle"
 job=$(submit --checkpoint-every 1)
 wait_until "$job" "j['state'] == 'RUNNING'"
 start_worker
@@ -156,7 +169,7 @@ grep -q "PIPPY_TEST_DIE_IN_CHECKPOINT" "$TMP/$faulty.log" || bad "the faulty wor
 
 # 3. The coordinator killed mid-training and restarted with the same state directory:
 #    the workers reconnect under their ids and the job resumes from its checkpoint.
-wait_idle 2
+wait_idle 2 || bad "2 idle workers before the coordinator is killed"
 ids_before=$(ctl workers --output json | /usr/bin/python3 -c \
   "import json,sys; print(sorted((w['name'], w['worker_id']) for w in json.load(sys.stdin)['workers']))")
 job=$(submit --checkpoint-every 5)
@@ -177,7 +190,8 @@ ids_after=$(ctl workers --output json | /usr/bin/python3 -c \
 
 # 4. No spare: exactly 2 workers; one is killed; the job waits RECOVERING until a new
 #    worker registers, then resumes.
-wait_idle 2
+keep_workers 2
+wait_idle 2 || bad "exactly 2 idle workers before the no-spare case"
 job=$(submit --checkpoint-every 5)
 wait_until "$job" "j.get('checkpoint_step', 0) >= 10 and j['state'] == 'RUNNING'"
 victim=$(worker_of_rank "$job" 0)
@@ -192,7 +206,8 @@ if finished_ok "$job" && same_as_reference no_spare "$job"; then ok "a worker re
   bad "resume after a worker registered: $(json_get "$job" "j['state'], j.get('reason'), j.get('history')")"; fi
 
 # 5. No worker within --recovery-timeout-s: FAILED saying so.
-wait_idle 2
+keep_workers 2
+wait_idle 2 || bad "exactly 2 idle workers before the timeout case"
 job=$(submit --checkpoint-every 5 --recovery-timeout-s 2)
 wait_until "$job" "j.get('step', 0) >= 3 and j['state'] == 'RUNNING'"
 victim=$(worker_of_rank "$job" 1)
@@ -203,7 +218,7 @@ reason=$(json_get "$job" "j['state'], j.get('reason')")
 
 # 6. --max-restarts 0: a lost worker fails the job, naming it.
 start_worker
-wait_idle 2
+wait_idle 2 || bad "2 idle workers before the --max-restarts 0 case"
 job=$(submit --max-restarts 0)
 wait_until "$job" "j.get('step', 0) >= 3 and j['state'] == 'RUNNING'"
 victim=$(worker_of_rank "$job" 0)
