@@ -8,6 +8,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "pipeline/transport/loopback/loopback_transport.h"
+#include "pipeline/transport/nccl/nccl_group.h"
 #include "pipeline/transport/nccl/nccl_transport.h"
 #include "pipeline/transport/ucx/peer_process.h"
 #include "pipeline/transport/ucx/ucx_transport.h"
@@ -389,6 +390,58 @@ INSTANTIATE_TEST_SUITE_P(
                 },
                 /*matches_by_order=*/true}),
                          [](const testing::TestParamInfo<Backend>& i) { return i.param.name; });
+
+// Data parallelism's NCCL replica group: 2 members on 2 GPUs sum a CUDA tensor in
+// place and a CPU tensor through the device, twice in a row.
+TEST(NcclReplicaGroup, TwoGpus_SumInPlace) {
+  const int n = nccl::VisibleDevices();
+  if (n < 2) {
+    GTEST_SKIP() << "the NCCL replica group needs two GPUs; " << n
+                 << " visible here (scripts/gpu-check runs this test on a GPU machine)";
+  }
+  auto id = nccl::NewUniqueId();
+  ASSERT_TRUE(id.ok()) << id.status();
+  std::vector<std::unique_ptr<ReplicaGroup>> g(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      nccl::Options o;
+      o.device = r;
+      o.abort_after = absl::Seconds(20);
+      auto m = nccl::CreateReplicaGroup(r, 2, *id, o);
+      EXPECT_TRUE(m.ok()) << m.status();
+      if (m.ok()) g[r] = std::move(*m);
+    });
+  }
+  for (auto& t : threads) t.join();
+  ASSERT_TRUE(g[0] && g[1]);
+  std::vector<absl::Status> st(2);
+  std::vector<at::Tensor> dev(2), host(2);
+  threads.clear();
+  for (int r = 0; r < 2; ++r) {
+    dev[r] = at::full({1 << 20}, static_cast<float>(r + 1), at::TensorOptions().device(at::kCUDA, r));
+    host[r] = at::arange(10, at::kFloat) * (r + 1);
+    threads.emplace_back([&, r] {
+      st[r] = g[r]->AllReduceSum(dev[r]);
+      if (st[r].ok()) st[r] = g[r]->AllReduceSum(host[r]);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(st[r].ok()) << st[r];
+    EXPECT_TRUE(dev[r].cpu().equal(at::full({1 << 20}, 3.0f)));
+    EXPECT_TRUE(host[r].equal(at::arange(10, at::kFloat) * 3));
+  }
+}
+
+TEST(NcclReplicaGroup, NoGpu_ClearError) {
+  if (nccl::VisibleDevices() > 0) GTEST_SKIP() << "a GPU is visible: the error path for no GPU does not apply";
+  auto id = nccl::NewUniqueId();
+  auto g = nccl::CreateReplicaGroup(0, 2, id.ok() ? *id : std::string(128, '\0'));
+  ASSERT_FALSE(g.ok());
+  EXPECT_TRUE(absl::IsUnavailable(g.status()) || absl::IsUnimplemented(g.status())) << g.status();
+  EXPECT_TRUE(absl::IsInvalidArgument(nccl::CreateReplicaGroup(2, 2, "").status()));
+}
 
 }  // namespace
 }  // namespace pippy::transport
