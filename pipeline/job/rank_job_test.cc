@@ -227,7 +227,29 @@ TEST(RankJobReplicas, TwoReplicas_TrainLikeOnePipelineOnTheWholeBatch) {
   std::vector<std::thread> runs;
   for (int r = 0; r < 2; ++r) runs.emplace_back([&, r] { RunSteps(replicas[r], 0, kSteps, *data); });
   for (auto& t : runs) t.join();
+  // The buckets' all-reduces start from the gradient hooks, inside the stage's last
+  // backward (not after it): one more step, on every rank of both replicas.
+  std::vector<std::thread> extra;
+  std::vector<stage::StepResult> last(4);
+  for (int r = 0; r < 2; ++r) {
+    for (int p = 0; p < 2; ++p) {
+      extra.emplace_back([&, r, p] {
+        auto res = replicas[r].jobs[p]->RunStep(kSteps, *data);
+        ASSERT_TRUE(res.ok()) << res.status();
+        last[r * 2 + p] = *res;
+      });
+    }
+  }
+  for (auto& t : extra) t.join();
+  for (const auto& res : last) {
+    EXPECT_GT(res.allreduce_buckets, 0);
+    EXPECT_EQ(res.allreduce_buckets_in_backward, res.allreduce_buckets);
+    bool traced = false;
+    for (const auto& e : res.trace) traced |= e.name.rfind("all-reduce ", 0) == 0;
+    EXPECT_TRUE(traced);
+  }
 
+  RunSteps(whole, kSteps, kSteps + 1, *data);
   double worst = 0;
   for (int p = 0; p < 2; ++p) {
     auto a = whole.jobs[p]->stages().at(p).named_parameters(true);

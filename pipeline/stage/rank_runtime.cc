@@ -14,6 +14,8 @@
 #include "common/torch_status.h"
 #include "pipeline/schedule/simulator.h"
 #include "torch/csrc/autograd/autograd.h"
+#include "torch/csrc/autograd/function_hook.h"
+#include "torch/csrc/autograd/variable.h"
 
 namespace pippy::stage {
 namespace {
@@ -55,6 +57,40 @@ int64_t TensorBytes(const c10::IValue& v) {
 
 }  // namespace
 
+// Data parallelism's hooks reach the runtime through this (the runtime clears it when
+// it goes; a hook may outlive it on a parameter someone else keeps).
+struct RankRuntime::HookState {
+  std::atomic<RankRuntime*> runtime{nullptr};
+  std::atomic<int> final_stage{-1};  // the stage whose last backward of the step runs now
+};
+
+struct RankRuntime::Reduction {
+  int stage = 0;
+  int bucket = 0;
+  bool in_backward = false;
+  int64_t begin_us = 0, duration_us = 0;
+  absl::Status status;
+};
+
+// Runs after a parameter's gradient accumulator: during its stage's last backward of
+// the step, the gradient is final, and its bucket may go. Autograd runs CPU graphs on
+// the thread that called backward: the step thread.
+class RankRuntime::GradientReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  GradientReadyHook(std::shared_ptr<HookState> state, int stage, int bucket)
+      : state_(std::move(state)), stage_(stage), bucket_(bucket) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    RankRuntime* rt = state_->runtime.load();
+    if (rt != nullptr && state_->final_stage.load() == stage_) rt->OnGradientReady(bucket_);
+    return outputs;
+  }
+
+ private:
+  std::shared_ptr<HookState> state_;
+  int stage_, bucket_;
+};
+
 struct RankRuntime::StepState {
   struct Saved {
     std::vector<c10::IValue> inputs;   // as given to forward (leaves for received values)
@@ -88,7 +124,10 @@ struct RankRuntime::StepState {
   std::vector<std::pair<std::shared_ptr<transport::Work>, std::string>> pending_sends;
 };
 
-RankRuntime::~RankRuntime() = default;
+RankRuntime::~RankRuntime() {
+  if (reducer_.valid()) reducer_.wait();
+  if (hook_state_ != nullptr) hook_state_->runtime = nullptr;  // hooks may outlive the runtime
+}
 
 absl::StatusOr<std::unique_ptr<RankRuntime>> RankRuntime::Create(int rank, const PipelinePlan& plan,
                                                                 std::map<int, torch::jit::Module> stages,
@@ -163,16 +202,60 @@ absl::StatusOr<std::unique_ptr<RankRuntime>> RankRuntime::Create(int rank, const
           rt->reduce_after_[pos] = actions[pos].stage;
         }
       }
+      rt->hook_state_ = std::make_shared<HookState>();
+      rt->hook_state_->runtime = rt.get();
       for (const auto& [s, module] : rt->stages_) {
         std::set<const void*> tied;
         for (const auto& [p, g] : rt->tied_params_[s]) tied.insert(p.unsafeGetTensorImpl());
+        std::vector<at::Tensor> untied;
         for (const at::Tensor& p : rt->LocalParameters(s)) {
-          if (!tied.count(p.unsafeGetTensorImpl())) rt->untied_params_[s].push_back(p);
+          if (!tied.count(p.unsafeGetTensorImpl())) untied.push_back(p);
+        }
+        // Reverse order: backward produces the last layers' gradients first.
+        size_t bytes = 0;
+        for (auto p = untied.rbegin(); p != untied.rend(); ++p) {
+          const size_t n = static_cast<size_t>(p->numel()) * sizeof(float);
+          if (rt->buckets_.empty() || rt->buckets_.back().stage != s ||
+              (bytes + n > options.replica_bucket_bytes && !rt->buckets_.back().params.empty())) {
+            rt->buckets_.push_back(Bucket());
+            rt->buckets_.back().stage = s;
+            bytes = 0;
+          }
+          rt->buckets_.back().params.push_back(*p);
+          bytes += n;
+          const int b = static_cast<int>(rt->buckets_.size()) - 1;
+          std::shared_ptr<torch::autograd::Node> acc = torch::autograd::impl::grad_accumulator(*p);
+          if (acc == nullptr) continue;  // not a leaf that accumulates: counted when its stage's last backward ends
+          acc->add_post_hook(std::make_unique<GradientReadyHook>(rt->hook_state_, s, b));
+          rt->accumulators_.push_back(std::move(acc));
         }
       }
     }
   }
   return rt;
+}
+
+void RankRuntime::OnGradientReady(int bucket) {
+  Bucket& b = buckets_[static_cast<size_t>(bucket)];
+  if (++b.ready == static_cast<int>(b.params.size()) && !b.launched) LaunchBucket(bucket, /*in_backward=*/true);
+}
+
+void RankRuntime::LaunchBucket(int bucket, bool in_backward) {
+  Bucket& b = buckets_[static_cast<size_t>(bucket)];
+  b.launched = true;
+  auto r = std::make_shared<Reduction>();
+  r->stage = b.stage;
+  r->bucket = bucket;
+  r->in_backward = in_backward;
+  reductions_.push_back(r);
+  // One collective at a time per group: each task waits for the one before.
+  reducer_ = std::async(std::launch::async, [this, r, before = reducer_] {
+               if (before.valid()) before.wait();
+               const auto begin = std::chrono::steady_clock::now();
+               r->status = AverageAcrossReplicas(buckets_[static_cast<size_t>(r->bucket)].params);
+               r->begin_us = Micros(begin);
+               r->duration_us = Micros(std::chrono::steady_clock::now()) - r->begin_us;
+             }).share();
 }
 
 absl::Status RankRuntime::AverageAcrossReplicas(const std::vector<at::Tensor>& params) {
@@ -311,23 +394,31 @@ absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10:
   }
   st.final_outputs.resize(st.m);
   const auto& actions = schedule_.ranks[rank_];
-  // Data parallelism: each stage's gradients are averaged across the replicas on the
-  // reducer thread, one stage after the other, in the order the stages finish.
-  struct Reduction {
-    int stage;
-    int64_t begin_us = 0, duration_us = 0;
-    absl::Status status;
+  // Data parallelism: each bucket of gradients is averaged across the replicas on the
+  // reducer thread, one after the other, as its stage's last backward completes it.
+  reductions_.clear();
+  reducer_ = std::shared_future<void>();
+  for (Bucket& b : buckets_) {
+    b.ready = 0;
+    b.launched = false;
+  }
+  auto join_reducer = [this] {
+    if (reducer_.valid()) reducer_.wait();
   };
-  std::vector<std::shared_ptr<Reduction>> reductions;
-  std::shared_future<void> reducer = [] {
-    std::promise<void> done;
-    done.set_value();
-    return done.get_future().share();
-  }();
-  auto join_reducer = [&] { reducer.wait(); };
   absl::Cleanup joined = join_reducer;  // every return waits: the tasks use this runtime
   for (size_t pos = 0; pos < actions.size(); ++pos) {
+    auto last = training && hook_state_ != nullptr ? reduce_after_.find(pos) : reduce_after_.end();
+    if (last != reduce_after_.end()) hook_state_->final_stage = last->second;
     absl::Status s = Execute(st, pos, actions[pos]);
+    if (last != reduce_after_.end()) {
+      hook_state_->final_stage = -1;
+      // Buckets whose gradients did not all come (unused parameters) go now.
+      for (size_t b = 0; s.ok() && b < buckets_.size(); ++b) {
+        if (buckets_[b].stage == last->second && !buckets_[b].launched) {
+          LaunchBucket(static_cast<int>(b), /*in_backward=*/false);
+        }
+      }
+    }
     if (!s.ok()) {
       if (!absl::IsCancelled(s)) {
         log::Error("rank={} step={} action #{} ({}) failed: {}", rank_, step, pos, actions[pos].ToString(),
@@ -335,19 +426,6 @@ absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10:
       }
       for (auto& [w, d] : st.pending_sends) w->Cancel();
       return s;
-    }
-    auto ready = training ? reduce_after_.find(pos) : reduce_after_.end();
-    if (ready != reduce_after_.end()) {
-      auto r = std::make_shared<Reduction>();
-      r->stage = ready->second;
-      reductions.push_back(r);
-      reducer = std::async(std::launch::async, [this, r, before = reducer] {
-                  before.wait();
-                  const auto begin = std::chrono::steady_clock::now();
-                  r->status = AverageAcrossReplicas(untied_params_[r->stage]);
-                  r->begin_us = Micros(begin);
-                  r->duration_us = Micros(std::chrono::steady_clock::now()) - r->begin_us;
-                }).share();
     }
   }
   StepResult result;
@@ -368,6 +446,7 @@ absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10:
     return absl::OkStatus();
   }));
   if (training) {
+    const auto& reductions = reductions_;
     if (!reductions.empty()) {
       double unused = 0;
       const auto wait_begin = std::chrono::steady_clock::now();
@@ -376,7 +455,7 @@ absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10:
         for (const auto& r : reductions) {
           if (!r->status.ok()) {
             return absl::Status(r->status.code(), absl::StrCat("rank ", rank_, " step ", step, " stage ", r->stage,
-                                                               ": ", r->status.message()));
+                                                               " bucket ", r->bucket, ": ", r->status.message()));
           }
         }
         return absl::OkStatus();
@@ -386,8 +465,11 @@ absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10:
       st.trace.back().wait_us = blocked;
       bd.allreduce_wait_seconds = static_cast<double>(blocked) * 1e-6;
       for (const auto& r : reductions) {
-        st.trace.push_back({absl::StrCat("all-reduce ", r->stage), r->stage, r->begin_us, r->duration_us, 0, 0});
+        st.trace.push_back(
+            {absl::StrCat("all-reduce ", r->stage, ".", r->bucket), r->stage, r->begin_us, r->duration_us, 0, 0});
         bd.allreduce_seconds += static_cast<double>(r->duration_us) * 1e-6;
+        ++result.allreduce_buckets;
+        if (r->in_backward) ++result.allreduce_buckets_in_backward;
       }
     }
     if (plan_.tied_size() > 0) {

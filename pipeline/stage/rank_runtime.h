@@ -23,6 +23,8 @@
 #ifndef PIPPY_PIPELINE_STAGE_RANK_RUNTIME_H_
 #define PIPPY_PIPELINE_STAGE_RANK_RUNTIME_H_
 
+#include <atomic>
+#include <future>
 #include <map>
 #include <memory>
 #include <string>
@@ -38,6 +40,7 @@
 #include "pipeline/transport/replica_group.h"
 #include "pipeline/transport/transport.h"
 #include "proto/plan.pb.h"
+#include "torch/csrc/autograd/function.h"
 #include "torch/script.h"
 
 namespace pippy::stage {
@@ -49,11 +52,12 @@ struct RuntimeOptions {
   absl::Duration timeout = absl::Seconds(60);  // per wait
   std::vector<ChunkSpec> input_chunks;        // per model input (default: dim 0)
   // Data parallelism: the ranks holding this rank's stages in the other replicas.
-  // Each stage's gradients are averaged across them, in buckets of at most
-  // replica_bucket_bytes, on a reducer thread as soon as the stage's last backward
-  // action of the step has run (overlapping the rank's remaining actions); tied
-  // parameters after their tied sync. nullptr or size 1: no data parallelism. Must
-  // outlive the runtime.
+  // Each stage's gradients are averaged across them in buckets of at most
+  // replica_bucket_bytes (parameters in reverse order, as their gradients come), each
+  // bucket on a reducer thread as soon as the stage's last backward of the step has
+  // accumulated all of its gradients (overlapping the rest of that backward and the
+  // rank's remaining actions, like DDP's buckets); tied parameters after their tied
+  // sync. nullptr or size 1: no data parallelism. Must outlive the runtime.
   transport::ReplicaGroup* replicas = nullptr;
   size_t replica_bucket_bytes = 25 << 20;
 };
@@ -94,6 +98,10 @@ struct StepResult {
   double grad_norm = 0;            // global norm before clipping (when clipping)
   StepBreakdown breakdown;
   std::vector<TraceEvent> trace;   // in the order they ran
+  // Data parallelism: buckets all-reduced, and how many of them started while their
+  // stage's last backward was still running (the rest: when it ended).
+  int allreduce_buckets = 0;
+  int allreduce_buckets_in_backward = 0;
 };
 
 class RankRuntime {
@@ -167,9 +175,27 @@ class RankRuntime {
   // Tied parameters of each local stage: (parameter, tie group).
   std::map<int, std::vector<std::pair<at::Tensor, int>>> tied_params_;
   // Data parallelism: per local stage, the position of its last backward action in the
-  // rank's action list, and its parameters that are not tied (reduced then).
+  // rank's action list; the buckets of the stages' untied parameters; for each of those
+  // parameters its bucket. The gradient accumulators are kept alive so that the hooks
+  // on them (which count a bucket's gradients during its stage's last backward) stay.
+  struct Bucket {
+    int stage = 0;
+    std::vector<at::Tensor> params;
+    int ready = 0;          // gradients accumulated in the stage's last backward (this step)
+    bool launched = false;  // its all-reduce is queued (this step)
+  };
+  struct Reduction;
+  struct HookState;
+  class GradientReadyHook;
   std::map<size_t, int> reduce_after_;
-  std::map<int, std::vector<at::Tensor>> untied_params_;
+  std::vector<Bucket> buckets_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::shared_ptr<HookState> hook_state_;
+  // Step thread only (and the autograd hooks, which run on it for CPU graphs).
+  std::vector<std::shared_ptr<Reduction>> reductions_;
+  std::shared_future<void> reducer_;
+  void LaunchBucket(int bucket, bool in_backward);
+  void OnGradientReady(int bucket);
   // consumers_[s][j]: (consumer stage, its input index) for output j of stage s.
   std::vector<std::vector<std::vector<std::pair<int, int>>>> consumers_;
   // Time blocked in WaitFor since the step began (step thread only).
