@@ -4,12 +4,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <memory>
 #include <optional>
+#include <tuple>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
@@ -26,6 +28,7 @@
 #include "grpcpp/grpcpp.h"
 #include "pipeline/job/job_spec.h"
 #include "proto/coordinator.grpc.pb.h"
+#include "proto/health.grpc.pb.h"
 
 namespace pippy::cli {
 namespace {
@@ -567,6 +570,35 @@ int RunTrace(const std::string& job_id, int step, const std::string& out, const 
   return kExitOk;
 }
 
+// grpc.health.v1.Health/Check against a daemon, like grpc_health_probe: exit 0 when
+// SERVING, 1 when it answers anything else, 3 when it cannot be reached.
+int RunHealth(const std::string& target, const std::string& service, double timeout_s, const GlobalFlags& g) {
+  const std::string where = target.empty() ? g.coordinator : target;
+  auto stub = grpc::health::v1::Health::NewStub(grpc::CreateChannel(where, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+  grpc::health::v1::HealthCheckRequest req;
+  req.set_service(service);
+  grpc::health::v1::HealthCheckResponse resp;
+  grpc::Status s = stub->Check(&ctx, req, &resp);
+  if (s.error_code() == grpc::StatusCode::UNAVAILABLE || s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+    return Fail(kProgram, absl::UnavailableError(absl::StrCat("cannot reach ", where, " within ", timeout_s, " s (",
+                                                              s.error_message(), ")")));
+  }
+  if (s.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
+    return Fail(kProgram, absl::UnimplementedError(absl::StrCat(where, " serves no grpc.health.v1.Health (a worker "
+                                                                "needs --health-port)")));
+  }
+  if (!s.ok()) return Fail(kProgram, FromGrpc(s, where));
+  const std::string status = grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status());
+  if (g.output == "json") {
+    std::cout << "{\"target\": \"" << where << "\", \"status\": \"" << status << "\"}\n";
+  } else {
+    std::cout << where << ": " << status << "\n";
+  }
+  return resp.status() == grpc::health::v1::HealthCheckResponse::SERVING ? kExitOk : kExitInternal;
+}
+
 }  // namespace
 
 void AddRemoteCommands(CLI::App& root, const GlobalFlags& globals, int* exit_code) {
@@ -575,6 +607,17 @@ void AddRemoteCommands(CLI::App& root, const GlobalFlags& globals, int* exit_cod
   CLI::App* list = root.add_subcommand("list", "Jobs and their states, oldest first");
   list->fallthrough();
   list->callback([g, exit_code] { *exit_code = RunList(*g); });
+  auto health = std::make_shared<std::tuple<std::string, std::string, double>>("", "", 5.0);
+  CLI::App* health_cmd = root.add_subcommand(
+      "health", "grpc.health.v1 check of a daemon (the coordinator, or a worker's --health-port): exit 0 when SERVING");
+  health_cmd->fallthrough();
+  health_cmd->add_option("TARGET", std::get<0>(*health), "HOST:PORT (default: --coordinator)");
+  health_cmd->add_option("--service", std::get<1>(*health), "the service to ask about (default: the whole server)");
+  health_cmd->add_option("--timeout-s", std::get<2>(*health), "deadline of the check")
+      ->check(cli::Positive())->capture_default_str();
+  health_cmd->callback([g, health, exit_code] {
+    *exit_code = RunHealth(std::get<0>(*health), std::get<1>(*health), std::get<2>(*health), *g);
+  });
   CLI::App* workers = root.add_subcommand("workers", "Registered workers: state, job, rank, stages, bytes received");
   workers->fallthrough();
   workers->callback([g, exit_code] { *exit_code = RunWorkers(*g); });

@@ -10,6 +10,7 @@
 #include "common/log.h"
 #include "coordinator/grpc_service.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
 
 namespace {
 
@@ -53,6 +54,8 @@ int main(int argc, char** argv) {
   if (!logic.ok()) return cli::Fail(kProgram, logic.status());
   coordinator::CoordinatorGrpc api(logic->get());
   coordinator::WorkerHubGrpc hub(logic->get());
+  // grpc.health.v1.Health: SERVING from the start (the state store is open by now).
+  grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int bound = 0;
   builder.AddListeningPort(absl::StrCat(bind, ":", port), grpc::InsecureServerCredentials(), &bound);
@@ -71,10 +74,14 @@ int main(int argc, char** argv) {
       return cli::Fail(kProgram, absl::PermissionDeniedError(absl::StrCat("cannot write --port-file ", port_file)));
     }
   }
+  g_server->GetHealthCheckService()->SetServingStatus(true);
   log::Info("pippy-coordinator listening on {}:{} (state in {})", bind, bound, state_dir);
   // Workers keep their streams open forever: cancel what is still open after 2 s.
   auto stop = [](int) {
-    std::thread([] { g_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2)); }).detach();
+    std::thread([] {
+      g_server->GetHealthCheckService()->SetServingStatus(false);
+      g_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    }).detach();
   };
   std::signal(SIGTERM, stop);
   std::signal(SIGINT, stop);

@@ -35,6 +35,10 @@ int main(int argc, char** argv) {
                  "after losing the coordinator, keep dialling it (with backoff) this long, then exit 3; "
                  "0: exit at once")
       ->check(cli::NonNegative())->capture_default_str();
+  app.add_option("--health-port", o.health_port,
+                 "serve grpc.health.v1.Health on this port (SERVING while registered with the coordinator; "
+                 "Kubernetes grpc probes, pippyctl health); 0: any free port")
+      ->check(CLI::Range(0, 65535));
   app.add_option("--log-level", log_level, "debug | info | warn | error")
       ->check(CLI::IsMember({"debug", "info", "warn", "error", "off"}))->capture_default_str();
   if (auto code = cli::Parse(app, argc, argv)) return *code;

@@ -19,6 +19,7 @@
 #include "common/memory.h"
 #include "common/status.h"
 #include "grpcpp/grpcpp.h"
+#include "proto/health.grpc.pb.h"
 #include "pipeline/job/job_spec.h"
 #include "pipeline/job/rank_job.h"
 #include "pipeline/partition/model_io.h"
@@ -63,6 +64,22 @@ int64_t ParamBytes(const torch::jit::Module& m) {
   return n;
 }
 
+// grpc.health.v1.Health for --health-port: the whole server ("") and pippy.Worker.
+class HealthService : public grpc::health::v1::Health::Service {
+ public:
+  std::atomic<bool> serving{false};
+
+  grpc::Status Check(grpc::ServerContext*, const grpc::health::v1::HealthCheckRequest* request,
+                     grpc::health::v1::HealthCheckResponse* response) override {
+    if (!request->service().empty() && request->service() != "pippy.Worker") {
+      return grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown service (ask for \"\" or pippy.Worker)");
+    }
+    response->set_status(serving ? grpc::health::v1::HealthCheckResponse::SERVING
+                                 : grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+    return grpc::Status::OK;
+  }
+};
+
 class Agent {
  public:
   explicit Agent(const AgentOptions& o) : options_(o) {}
@@ -71,6 +88,22 @@ class Agent {
   // coordinator restarts the job from its checkpoint) and dials again with backoff,
   // registering under the id it had, until options_.reconnect_timeout has passed.
   absl::Status Run() {
+    if (options_.health_port >= 0) {
+      grpc::ServerBuilder builder;
+      builder.RegisterService(&health_service_);
+      int bound = 0;
+      builder.AddListeningPort(absl::StrCat("0.0.0.0:", options_.health_port), grpc::InsecureServerCredentials(),
+                               &bound);
+      health_ = builder.BuildAndStart();
+      if (!health_ || bound == 0) {
+        return absl::UnavailableError(absl::StrCat("cannot serve health checks on port ", options_.health_port,
+                                                   " (in use? another --health-port)"));
+      }
+      log::Info("health checks (grpc.health.v1.Health) on port {}", bound);
+    }
+    absl::Cleanup stop_health = [this] {
+      if (health_) health_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    };
     absl::Status s = Session(options_.connect_timeout);
     while (absl::IsUnavailable(s) && registered_once_ && options_.reconnect_timeout > absl::ZeroDuration()) {
       const absl::Time deadline = absl::Now() + options_.reconnect_timeout;
@@ -157,6 +190,7 @@ class Agent {
     }
     // The coordinator is gone: the rank stops (its job resumes from a checkpoint), and
     // whatever was arriving is dropped.
+    SetHealth(false);
     CancelRunningJob();
     receiving_ = false;
     incoming_ = Incoming();
@@ -166,6 +200,8 @@ class Agent {
     return absl::UnavailableError(absl::StrCat("stream to the coordinator ended: ",
                                                s.ok() ? "closed by the coordinator" : s.error_message()));
   }
+
+  void SetHealth(bool serving) { health_service_.serving = serving; }
 
   bool Write(const WorkerMessage& m) {
     absl::MutexLock lock(&write_mu_);
@@ -179,6 +215,7 @@ class Agent {
       }
       worker_id_ = m.registered().worker_id();
       registered_ = true;
+      SetHealth(true);
       registered_once_ = true;
       log::Info("registered as {} with the coordinator at {}", worker_id_, options_.coordinator);
     } else if (m.has_assignment()) {
@@ -546,6 +583,8 @@ class Agent {
   std::vector<std::string> peers_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> replica_peers_ ABSL_GUARDED_BY(mu_);  // the replica group's gloo addresses
   // Run()'s thread only.
+  std::unique_ptr<grpc::Server> health_;  // --health-port
+  HealthService health_service_;
   std::string worker_id_;          // the id the coordinator gave; kept across reconnections
   bool registered_ = false;        // in the current session
   bool registered_once_ = false;

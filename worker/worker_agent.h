@@ -36,6 +36,9 @@ struct AgentOptions {
   // After losing the coordinator: how long to keep dialling (with backoff) before
   // giving up; 0: give up at once.
   absl::Duration reconnect_timeout = absl::Seconds(300);
+  // grpc.health.v1.Health on this port (all interfaces): SERVING while registered with
+  // the coordinator, NOT_SERVING while (re)connecting. -1: none.
+  int health_port = -1;
 };
 
 // Connects and serves. When the coordinator goes away (it stopped, restarted, or the

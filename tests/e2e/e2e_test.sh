@@ -30,8 +30,11 @@ for _ in $(seq 100); do [ -s "$TMP/port" ] && break; sleep 0.1; done
 ADDR="127.0.0.1:$(cat "$TMP/port")"
 ctl() { "$PIPPYCTL" --coordinator "$ADDR" "$@"; }
 declare -A worker_pid
+HEALTH_PORT=$(/usr/bin/python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 for i in 0 1 2 3; do
-  "$WORKER" --coordinator "$ADDR" --name "w$i" --ucx-tls sm,self --wait-timeout-s 30 > "$TMP/w$i.log" 2>&1 &
+  health=()
+  [ "$i" = 0 ] && health=(--health-port "$HEALTH_PORT")
+  "$WORKER" --coordinator "$ADDR" --name "w$i" --ucx-tls sm,self --wait-timeout-s 30 "${health[@]}" > "$TMP/w$i.log" 2>&1 &
   pids+=($!)
   worker_pid[w$i]=$!
 done
@@ -39,6 +42,12 @@ idle_workers() { ctl workers --output json | /usr/bin/python3 -c \
   "import json,sys; print(sum(1 for w in json.load(sys.stdin).get('workers', []) if w['state']=='IDLE'))"; }
 for _ in $(seq 100); do [ "$(idle_workers)" = 4 ] && break; sleep 0.1; done
 [ "$(idle_workers)" = 4 ] && ok "4 workers registered" || bad "4 workers registered"
+# grpc.health.v1: the coordinator, and worker w0 on its --health-port.
+if ctl health > "$TMP/health.out" && "$PIPPYCTL" health "127.0.0.1:$HEALTH_PORT" --service pippy.Worker >> "$TMP/health.out"; then
+  ok "health: $(tr '\n' ' ' < "$TMP/health.out")"
+else
+  bad "health: $(cat "$TMP/health.out")"
+fi
 
 /usr/bin/python3 - "$ZOO" "$TMP" <<'PY'
 import sys, torch
@@ -274,6 +283,12 @@ fi
 kill "${pids[0]}"
 for _ in $(seq 100); do kill -0 "${pids[0]}" 2>/dev/null || break; sleep 0.1; done
 kill -0 "${pids[0]}" 2>/dev/null && bad "coordinator did not stop within 10 s of SIGTERM" || ok "coordinator stopped on SIGTERM"
+# Without its coordinator a worker is NOT_SERVING (exit 1), and says so.
+sleep 1
+"$PIPPYCTL" health "127.0.0.1:$HEALTH_PORT" > "$TMP/health2.out" 2>&1
+rc=$?
+[ "$rc" = 1 ] && grep -q NOT_SERVING "$TMP/health2.out" && ok "worker without a coordinator: NOT_SERVING" ||
+  bad "worker health after the coordinator stopped: rc $rc, $(cat "$TMP/health2.out")"
 "$COORD" --bind 127.0.0.1 --port 0 --port-file "$TMP/port2" --state-dir "$TMP/state" > "$TMP/coordinator2.log" 2>&1 &
 pids+=($!)
 for _ in $(seq 100); do [ -s "$TMP/port2" ] && break; sleep 0.1; done
