@@ -1,6 +1,7 @@
 #include <stdexcept>
 
 #include "common/log.h"
+#include "common/metrics.h"
 #include "common/status.h"
 #include "common/torch_status.h"
 #include "gtest/gtest.h"
@@ -57,4 +58,27 @@ TEST(Log, ParseLevel_RejectsUnknownWithHint) {
 }
 
 }  // namespace
+TEST(Metrics, Exposition_FamiliesEscapedLabelsHistogram) {
+  metrics::Exposition e;
+  e.Family("pippy_jobs", "gauge", "Jobs by state");
+  e.Sample("pippy_jobs", {{"state", "RUNNING"}}, 2);
+  e.Sample("pippy_jobs", {{"name", "a\"b\\c\nd"}}, 0.25);
+  metrics::Histogram h({0.1, 1});
+  h.Observe(0.05);
+  h.Observe(0.5);
+  h.Observe(7);
+  e.Family("pippy_step_seconds", "histogram", "Step time");
+  e.HistogramSamples("pippy_step_seconds", {}, h);
+  EXPECT_EQ(e.text(),
+            "# HELP pippy_jobs Jobs by state\n# TYPE pippy_jobs gauge\n"
+            "pippy_jobs{state=\"RUNNING\"} 2\n"
+            "pippy_jobs{name=\"a\\\"b\\\\c\\nd\"} 0.25\n"
+            "# HELP pippy_step_seconds Step time\n# TYPE pippy_step_seconds histogram\n"
+            "pippy_step_seconds_bucket{le=\"0.1\"} 1\n"
+            "pippy_step_seconds_bucket{le=\"1\"} 2\n"
+            "pippy_step_seconds_bucket{le=\"+Inf\"} 3\n"
+            "pippy_step_seconds_sum 7.55\n"
+            "pippy_step_seconds_count 3\n");
+}
+
 }  // namespace pippy

@@ -545,6 +545,7 @@ void Coordinator::Recover(JobEntry& e, const std::string& what, Outbox* out) {
   }
   e.job.set_restarts(e.job.restarts() + 1);
   e.job.set_attempt(e.job.attempt() + 1);
+  ++counters_.restarts;
   // The stopped attempt's senders stop; the next attempt gets a flag of its own.
   e.stop->store(true);
   e.stop = std::make_shared<std::atomic<bool>>(false);
@@ -821,6 +822,8 @@ void Coordinator::OnCheckpointChunk(const CheckpointChunk& c) {
     return;
   }
   e.job.set_checkpoint_step(c.step());
+  e.checkpoint_time = absl::Now();
+  ++counters_.checkpoints;
   Touch(e);
   const int kept = c.step();
   artifacts_->RemoveCheckpoints(c.job_id(), [kept](int step) { return step < kept; });
@@ -922,6 +925,15 @@ void Coordinator::OnWorkerMessage(const std::string& worker_id, const WorkerMess
             b->set_step_seconds(r.step_seconds());
           }
           if (losses > 0) loss /= losses;
+          ++counters_.steps;
+          counters_.samples += e.job.spec().batch_size();
+          step_seconds_.Observe(step_s);
+          for (const auto& [rank, r] : reports) {
+            for (const TraceEvent& ev : r.events()) {
+              if (ev.name().find("SEND") != std::string::npos) counters_.bytes_sent += ev.bytes();
+              if (ev.name().find("RECV") != std::string::npos) counters_.bytes_received += ev.bytes();
+            }
+          }
           e.job.set_step(m.step().step() + 1);
           if (e.job.spec().mode() == MODE_TRAIN) e.job.add_losses(loss);
           e.job.add_step_seconds(step_s);
@@ -999,6 +1011,49 @@ void Coordinator::Assemble(const std::string& job_id, bool inference, int stages
     }
   }
   Deliver(&out);
+}
+
+std::string Coordinator::MetricsText() {
+  absl::MutexLock lock(&mu_);
+  metrics::Exposition x;
+  std::map<std::string, int> jobs;
+  for (int st = JobState_MIN; st <= JobState_MAX; ++st) {
+    if (JobState_IsValid(st) && st != JOB_STATE_UNSPECIFIED) jobs[JobState_Name(static_cast<JobState>(st))] = 0;
+  }
+  for (const auto& [id, e] : jobs_) ++jobs[JobState_Name(e.job.state())];
+  x.Family("pippy_jobs", "gauge", "Jobs known to the coordinator, by state");
+  for (const auto& [state, n] : jobs) x.Sample("pippy_jobs", {{"state", state}}, n);
+  std::map<std::string, int> workers = {{"IDLE", 0}, {"BUSY", 0}};
+  for (const auto& [id, w] : workers_) ++workers[WorkerState_Name(w.info.state())];
+  x.Family("pippy_workers", "gauge", "Registered workers, by state");
+  for (const auto& [state, n] : workers) x.Sample("pippy_workers", {{"state", state}}, n);
+  x.Family("pippy_steps_total", "counter", "Pipeline steps completed by every rank of a job");
+  x.Sample("pippy_steps_total", {}, static_cast<double>(counters_.steps));
+  x.Family("pippy_samples_total", "counter", "Samples trained on or inferred (batch size per completed step)");
+  x.Sample("pippy_samples_total", {}, static_cast<double>(counters_.samples));
+  x.Family("pippy_step_seconds", "histogram", "Step time (the slowest rank's) of completed steps");
+  x.HistogramSamples("pippy_step_seconds", {}, step_seconds_);
+  x.Family("pippy_transport_bytes_total", "counter", "Tensor bytes the ranks moved between each other (UCX), as reported");
+  x.Sample("pippy_transport_bytes_total", {{"transport", "ucx"}, {"direction", "sent"}},
+           static_cast<double>(counters_.bytes_sent));
+  x.Sample("pippy_transport_bytes_total", {{"transport", "ucx"}, {"direction", "received"}},
+           static_cast<double>(counters_.bytes_received));
+  x.Family("pippy_checkpoints_total", "counter", "Checkpoints committed");
+  x.Sample("pippy_checkpoints_total", {}, static_cast<double>(counters_.checkpoints));
+  x.Family("pippy_restarts_total", "counter", "Jobs restarted after losing a worker");
+  x.Sample("pippy_restarts_total", {}, static_cast<double>(counters_.restarts));
+  const absl::Time now = absl::Now();
+  x.Family("pippy_worker_heartbeat_age_seconds", "gauge", "Time since each worker was last heard from");
+  for (const auto& [id, w] : workers_) {
+    x.Sample("pippy_worker_heartbeat_age_seconds", {{"worker", id}, {"name", w.info.name()}},
+             absl::ToDoubleSeconds(now - w.last_heartbeat));
+  }
+  x.Family("pippy_checkpoint_age_seconds", "gauge", "Time since the last checkpoint of each unfinished job");
+  for (const auto& [id, e] : jobs_) {
+    if (Terminal(e.job.state()) || e.checkpoint_time == absl::InfinitePast()) continue;
+    x.Sample("pippy_checkpoint_age_seconds", {{"job", id}}, absl::ToDoubleSeconds(now - e.checkpoint_time));
+  }
+  return x.text();
 }
 
 void Coordinator::Loop() {

@@ -60,6 +60,7 @@
 #include "coordinator/job_preparation.h"
 #include "coordinator/job_store.h"
 #include "coordinator/task_runner.h"
+#include "common/metrics.h"
 #include "proto/coordinator.pb.h"
 
 namespace pippy::coordinator {
@@ -109,6 +110,11 @@ class Coordinator {
   // Errors: NOT_FOUND for an unknown job or a step no longer (or not yet) held.
   absl::StatusOr<StepTrace> GetTrace(const std::string& job_id, int step);
 
+  // Prometheus text exposition of the coordinator's state (jobs and workers by state,
+  // steps, samples, step times, data-plane bytes the ranks reported, heartbeat and
+  // checkpoint ages), for --metrics-port.
+  std::string MetricsText();
+
   // ---- workers ----
   std::string AddWorker(const RegisterWorker& info, std::shared_ptr<WorkerChannel> channel);
   void RemoveWorker(const std::string& worker_id, const std::string& why);
@@ -136,6 +142,7 @@ class Coordinator {
     absl::Time recover_deadline;                      // RECOVERING: fail after this
     // Checkpoint pieces that arrived whole, by step: (rank, stage), stage -1 = rank state.
     std::map<int, std::set<std::pair<int, int>>> checkpoint_pieces;
+    absl::Time checkpoint_time = absl::InfinitePast();  // when the last one was committed
     // PARTITIONING: the split stages, in memory, until they are sent or written out.
     std::shared_ptr<const PreparedStages> stages;
     // Set when the job ends: its file senders stop.
@@ -216,6 +223,14 @@ class Coordinator {
   std::map<std::string, JobEntry> jobs_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> queue_ ABSL_GUARDED_BY(mu_);  // queued job ids, oldest first
   std::map<std::string, WorkerEntry> workers_ ABSL_GUARDED_BY(mu_);
+  // Since this coordinator started (Prometheus counters).
+  struct Counters {
+    int64_t steps = 0, samples = 0, checkpoints = 0, restarts = 0;
+    int64_t bytes_sent = 0, bytes_received = 0;  // data plane, as the ranks reported
+  };
+  Counters counters_ ABSL_GUARDED_BY(mu_);
+  metrics::Histogram step_seconds_ ABSL_GUARDED_BY(mu_){
+      {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}};
   std::thread loop_;
   // Declared last: destroyed (its threads joined) first.
   TaskRunner tasks_;

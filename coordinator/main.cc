@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/cli.h"
 #include "common/log.h"
+#include "common/metrics.h"
 #include "coordinator/grpc_service.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -41,6 +42,10 @@ int main(int argc, char** argv) {
   app.add_option("--max-message-mib", max_message_mib,
                  "largest gRPC message accepted; files travel in 1 MiB chunks, so models of any size fit")
       ->check(CLI::Range(2, 2047))->capture_default_str();
+  int metrics_port = -1;
+  app.add_option("--metrics-port", metrics_port,
+                 "serve Prometheus metrics at http://BIND:PORT/metrics (0: any free port, printed in the log)")
+      ->check(CLI::Range(0, 65535));
   app.add_option("--log-level", log_level, "debug | info | warn | error")
       ->check(CLI::IsMember({"debug", "info", "warn", "error", "off"}))->capture_default_str();
   if (auto code = cli::Parse(app, argc, argv)) return *code;
@@ -52,6 +57,14 @@ int main(int argc, char** argv) {
   opts.heartbeat_timeout = absl::Seconds(heartbeat_timeout_s);
   auto logic = coordinator::Coordinator::Create(opts);
   if (!logic.ok()) return cli::Fail(kProgram, logic.status());
+  std::unique_ptr<metrics::Server> metrics_server;
+  if (metrics_port >= 0) {
+    coordinator::Coordinator* c = logic->get();
+    auto started = metrics::Server::Start(bind, metrics_port, [c] { return c->MetricsText(); });
+    if (!started.ok()) return cli::Fail(kProgram, started.status());
+    metrics_server = std::move(*started);
+    log::Info("metrics on http://{}:{}/metrics", bind, metrics_server->port());
+  }
   coordinator::CoordinatorGrpc api(logic->get());
   coordinator::WorkerHubGrpc hub(logic->get());
   // grpc.health.v1.Health: SERVING from the start (the state store is open by now).

@@ -39,6 +39,10 @@ int main(int argc, char** argv) {
                  "serve grpc.health.v1.Health on this port (SERVING while registered with the coordinator; "
                  "Kubernetes grpc probes, pippyctl health); 0: any free port")
       ->check(CLI::Range(0, 65535));
+  app.add_option("--metrics-port", o.metrics_port,
+                 "serve Prometheus metrics at http://0.0.0.0:PORT/metrics (steps, step time, bytes moved, "
+                 "checkpoints); 0: any free port")
+      ->check(CLI::Range(0, 65535));
   app.add_option("--log-level", log_level, "debug | info | warn | error")
       ->check(CLI::IsMember({"debug", "info", "warn", "error", "off"}))->capture_default_str();
   if (auto code = cli::Parse(app, argc, argv)) return *code;

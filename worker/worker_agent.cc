@@ -17,6 +17,7 @@
 #include "common/chunker.h"
 #include "common/log.h"
 #include "common/memory.h"
+#include "common/metrics.h"
 #include "common/status.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/health.grpc.pb.h"
@@ -104,6 +105,12 @@ class Agent {
     absl::Cleanup stop_health = [this] {
       if (health_) health_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
     };
+    std::unique_ptr<metrics::Server> metrics_server;
+    if (options_.metrics_port >= 0) {
+      PIPPY_ASSIGN_OR_RETURN(metrics_server,
+                             metrics::Server::Start("0.0.0.0", options_.metrics_port, [this] { return MetricsText(); }));
+      log::Info("metrics on http://0.0.0.0:{}/metrics", metrics_server->port());
+    }
     absl::Status s = Session(options_.connect_timeout);
     while (absl::IsUnavailable(s) && registered_once_ && options_.reconnect_timeout > absl::ZeroDuration()) {
       const absl::Time deadline = absl::Now() + options_.reconnect_timeout;
@@ -201,7 +208,36 @@ class Agent {
                                                s.ok() ? "closed by the coordinator" : s.error_message()));
   }
 
-  void SetHealth(bool serving) { health_service_.serving = serving; }
+  void SetHealth(bool serving) {
+    health_service_.serving = serving;
+    registered_now_ = serving;
+  }
+
+  // Prometheus text for --metrics-port.
+  std::string MetricsText() {
+    metrics::Exposition x;
+    x.Family("pippy_worker_registered", "gauge", "1 while registered with a coordinator");
+    x.Sample("pippy_worker_registered", {}, registered_now_ ? 1 : 0);
+    x.Family("pippy_worker_busy", "gauge", "1 while the worker runs a rank");
+    x.Sample("pippy_worker_busy", {}, busy_ ? 1 : 0);
+    x.Family("pippy_worker_steps_total", "counter", "Steps this worker's ranks completed");
+    x.Sample("pippy_worker_steps_total", {}, static_cast<double>(steps_total_.load()));
+    x.Family("pippy_worker_checkpoints_total", "counter", "Checkpoints this worker's ranks sent");
+    x.Sample("pippy_worker_checkpoints_total", {}, static_cast<double>(checkpoints_total_.load()));
+    x.Family("pippy_worker_transport_bytes_total", "counter", "Tensor bytes sent and received to and from peer ranks");
+    x.Sample("pippy_worker_transport_bytes_total", {{"transport", "ucx"}, {"direction", "sent"}},
+             static_cast<double>(bytes_sent_.load()));
+    x.Sample("pippy_worker_transport_bytes_total", {{"transport", "ucx"}, {"direction", "received"}},
+             static_cast<double>(bytes_received_.load()));
+    x.Family("pippy_worker_allreduce_seconds_total", "counter", "Time spent in data-parallel gradient all-reduces");
+    x.Sample("pippy_worker_allreduce_seconds_total", {}, allreduce_us_.load() * 1e-6);
+    x.Family("pippy_worker_step_seconds", "histogram", "Step time of this worker's ranks");
+    {
+      absl::MutexLock lock(&metrics_mu_);
+      x.HistogramSamples("pippy_worker_step_seconds", {}, step_seconds_);
+    }
+    return x.text();
+  }
 
   bool Write(const WorkerMessage& m) {
     absl::MutexLock lock(&write_mu_);
@@ -334,7 +370,9 @@ class Agent {
 
   void RunJob(Incoming in) {
     const Assignment a = in.assignment;
+    busy_ = true;
     absl::Status s = RunRank(std::move(in));
+    busy_ = false;
     ReturnFreedMemory();  // idle, the worker does not keep its last job's peak
     if (absl::IsCancelled(s)) {
       log::Info("job={} rank={} stopped: {}", a.job_id(), a.rank(), s.message());
@@ -559,7 +597,20 @@ class Agent {
       Write(rep);
       log::Info("job={} rank={} step={}{}", a.job_id(), a.rank(), step,
                 res.has_loss ? absl::StrCat(" loss=", res.loss) : "");
-      if (job::CheckpointAfter(spec, step + 1)) PIPPY_RETURN_IF_ERROR(SendCheckpoint(a, step + 1, *rank_job));
+      ++steps_total_;
+      for (const stage::TraceEvent& t : res.trace) {
+        if (t.name.find("SEND") != std::string::npos) bytes_sent_ += t.bytes;
+        if (t.name.find("RECV") != std::string::npos) bytes_received_ += t.bytes;
+      }
+      allreduce_us_ += static_cast<int64_t>(res.breakdown.allreduce_seconds * 1e6);
+      {
+        absl::MutexLock lock(&metrics_mu_);
+        step_seconds_.Observe(res.step_seconds);
+      }
+      if (job::CheckpointAfter(spec, step + 1)) {
+        PIPPY_RETURN_IF_ERROR(SendCheckpoint(a, step + 1, *rank_job));
+        ++checkpoints_total_;
+      }
     }
     // Results: inference sends the outputs (a torch.save file); training sends the
     // trained stages.
@@ -582,6 +633,12 @@ class Agent {
   job::RankJob* running_ ABSL_GUARDED_BY(mu_) = nullptr;  // the job's rank while it runs
   std::vector<std::string> peers_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> replica_peers_ ABSL_GUARDED_BY(mu_);  // the replica group's gloo addresses
+  // Metrics (--metrics-port), read by the metrics server's thread.
+  std::atomic<bool> registered_now_{false}, busy_{false};
+  std::atomic<int64_t> steps_total_{0}, checkpoints_total_{0}, bytes_sent_{0}, bytes_received_{0}, allreduce_us_{0};
+  absl::Mutex metrics_mu_;
+  metrics::Histogram step_seconds_ ABSL_GUARDED_BY(metrics_mu_){
+      {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}};
   // Run()'s thread only.
   std::unique_ptr<grpc::Server> health_;  // --health-port
   HealthService health_service_;

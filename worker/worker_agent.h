@@ -39,6 +39,8 @@ struct AgentOptions {
   // grpc.health.v1.Health on this port (all interfaces): SERVING while registered with
   // the coordinator, NOT_SERVING while (re)connecting. -1: none.
   int health_port = -1;
+  // Prometheus metrics at http://0.0.0.0:PORT/metrics. -1: none.
+  int metrics_port = -1;
 };
 
 // Connects and serves. When the coordinator goes away (it stopped, restarted, or the

@@ -23,17 +23,20 @@ cleanup() {
 }
 trap cleanup EXIT
 
+free_port() { /usr/bin/python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
+METRICS_PORT=$(free_port)
+WORKER_METRICS_PORT=$(free_port)
 "$COORD" --bind 127.0.0.1 --port 0 --port-file "$TMP/port" --state-dir "$TMP/state" --heartbeat-timeout-s 3 \
-  --max-message-mib 2 > "$TMP/coordinator.log" 2>&1 &
+  --max-message-mib 2 --metrics-port "$METRICS_PORT" > "$TMP/coordinator.log" 2>&1 &
 pids+=($!)
 for _ in $(seq 100); do [ -s "$TMP/port" ] && break; sleep 0.1; done
 ADDR="127.0.0.1:$(cat "$TMP/port")"
 ctl() { "$PIPPYCTL" --coordinator "$ADDR" "$@"; }
 declare -A worker_pid
-HEALTH_PORT=$(/usr/bin/python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+HEALTH_PORT=$(free_port)
 for i in 0 1 2 3; do
   health=()
-  [ "$i" = 0 ] && health=(--health-port "$HEALTH_PORT")
+  [ "$i" = 0 ] && health=(--health-port "$HEALTH_PORT" --metrics-port "$WORKER_METRICS_PORT")
   "$WORKER" --coordinator "$ADDR" --name "w$i" --ucx-tls sm,self --wait-timeout-s 30 "${health[@]}" > "$TMP/w$i.log" 2>&1 &
   pids+=($!)
   worker_pid[w$i]=$!
@@ -120,6 +123,42 @@ for rank, wid in enumerate(job["workers"]):
 assert total < 1.3 * (model_bytes + data_bytes), (total, model_bytes)
 PY
 then ok "3-stage job: each worker received only its stage and data share"; else bad "3-stage job: bytes per worker"; cat "$TMP/three.err"; fi
+
+# Prometheus metrics of the coordinator and of worker w0, scraped over HTTP and read with
+# Prometheus' own parser: the families exist with their types, and the numbers agree
+# with what ran (3 jobs done so far, 5 steps each).
+if /usr/bin/python3 - "$METRICS_PORT" "$WORKER_METRICS_PORT" <<'PY'
+import sys, urllib.request
+from prometheus_client.parser import text_string_to_metric_families
+def scrape(port):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4"), r.headers["Content-Type"]
+        fams = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    return fams
+c = scrape(sys.argv[1])
+# Counters' families drop "_total" in prometheus_client; their samples keep it.
+value = lambda fams, fam, **labels: sum(s.value for s in fams[fam].samples if s.name in (fam, fam + "_total")
+                                        and all(s.labels.get(k) == v for k, v in labels.items()))
+assert c["pippy_jobs"].type == "gauge" and value(c, "pippy_jobs", state="SUCCEEDED") >= 4, c["pippy_jobs"]
+assert value(c, "pippy_workers", state="IDLE") + value(c, "pippy_workers", state="BUSY") == 4
+assert c["pippy_steps"].type == "counter" and value(c, "pippy_steps") >= 20, c["pippy_steps"]
+assert value(c, "pippy_samples") >= 160
+hist = c["pippy_step_seconds"]
+assert hist.type == "histogram"
+count = [s.value for s in hist.samples if s.name == "pippy_step_seconds_count"][0]
+inf = [s.value for s in hist.samples if s.name == "pippy_step_seconds_bucket" and s.labels["le"] == "+Inf"][0]
+assert count == inf == value(c, "pippy_steps"), (count, inf)
+assert value(c, "pippy_transport_bytes", direction="sent") > 0
+assert value(c, "pippy_transport_bytes", direction="sent") == value(c, "pippy_transport_bytes", direction="received")
+assert len(c["pippy_worker_heartbeat_age_seconds"].samples) == 4
+w = scrape(sys.argv[2])
+assert value(w, "pippy_worker_registered") == 1
+assert value(w, "pippy_worker_steps") >= 5, w["pippy_worker_steps"]
+assert value(w, "pippy_worker_transport_bytes", direction="sent") > 0
+print(f"coordinator: {len(c)} families, {value(c, 'pippy_steps'):.0f} steps; worker w0: "
+      f"{value(w, 'pippy_worker_steps'):.0f} steps, {value(w, 'pippy_worker_transport_bytes', direction='sent'):.0f} bytes sent")
+PY
+then ok "/metrics of the coordinator and a worker parse with prometheus_client and agree with the jobs"; else bad "metrics"; fi
 
 # The trace of that job's last step: a Chrome trace-event file (what Perfetto and
 # chrome://tracing read) with every rank's actions, and the breakdown in `status`.
