@@ -566,7 +566,11 @@ TEST_F(CoordinatorTest, Cancel_EndsTheJob_AndFreesWorkersWhenTheyReport) {
   EXPECT_EQ(coordinator_->CancelJob(*id).status().code(), absl::StatusCode::kFailedPrecondition);
   for (int r = 0; r < 2; ++r) FinishRank(ids_[r], got[r].assignment, false, "cancelled");
   for (const WorkerInfo& w : coordinator_->ListWorkers()) EXPECT_EQ(w.state(), IDLE);
-  EXPECT_FALSE(std::filesystem::exists(absl::StrCat(state_, "/jobs/", *id)));
+  // The job's files go (a stage-file writer still running when the job ended removes
+  // what it wrote when it is done: wait for it, at most 10 s).
+  const std::string dir = absl::StrCat(state_, "/jobs/", *id);
+  for (int i = 0; i < 1000 && std::filesystem::exists(dir); ++i) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_FALSE(std::filesystem::exists(dir));
 }
 
 TEST_F(CoordinatorTest, BadSubmissions_AreRefusedNamingTheField_AndLeaveNothingBehind) {

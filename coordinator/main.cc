@@ -9,6 +9,7 @@
 #include "common/cli.h"
 #include "common/log.h"
 #include "common/metrics.h"
+#include "common/systemd.h"
 #include "coordinator/grpc_service.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -89,9 +90,12 @@ int main(int argc, char** argv) {
   }
   g_server->GetHealthCheckService()->SetServingStatus(true);
   log::Info("pippy-coordinator listening on {}:{} (state in {})", bind, bound, state_dir);
+  systemd::NotifyReady(absl::StrCat("serving on ", bind, ":", bound));
+  systemd::StartWatchdog();
   // Workers keep their streams open forever: cancel what is still open after 2 s.
   auto stop = [](int) {
     std::thread([] {
+      systemd::NotifyStopping();
       g_server->GetHealthCheckService()->SetServingStatus(false);
       g_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
     }).detach();

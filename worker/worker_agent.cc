@@ -18,6 +18,7 @@
 #include "common/log.h"
 #include "common/memory.h"
 #include "common/metrics.h"
+#include "common/systemd.h"
 #include "common/status.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/health.grpc.pb.h"
@@ -111,6 +112,7 @@ class Agent {
                              metrics::Server::Start("0.0.0.0", options_.metrics_port, [this] { return MetricsText(); }));
       log::Info("metrics on http://0.0.0.0:{}/metrics", metrics_server->port());
     }
+    systemd::StartWatchdog();
     absl::Status s = Session(options_.connect_timeout);
     while (absl::IsUnavailable(s) && registered_once_ && options_.reconnect_timeout > absl::ZeroDuration()) {
       const absl::Time deadline = absl::Now() + options_.reconnect_timeout;
@@ -211,6 +213,12 @@ class Agent {
   void SetHealth(bool serving) {
     health_service_.serving = serving;
     registered_now_ = serving;
+    // systemd (Type=notify): ready once registered; the status line follows.
+    if (serving) {
+      systemd::NotifyReady(absl::StrCat("registered as ", worker_id_, " with ", options_.coordinator));
+    } else {
+      systemd::NotifyStatus(absl::StrCat("reconnecting to the coordinator at ", options_.coordinator));
+    }
   }
 
   // Prometheus text for --metrics-port.
