@@ -1,0 +1,189 @@
+"""pippy's Python client: submit, follow, fetch and list jobs on a pippy coordinator
+over its gRPC API (proto/coordinator.proto), as pippyctl does.
+
+    import pippy
+    c = pippy.Client("127.0.0.1:7070")
+    job = c.submit("model.pt", "data.pt", stages=2, schedule="1f1b", microbatches=4,
+                   batch_size=16, steps=40, loss="mse", optimizer="adamw", lr=1e-3)
+    for event in c.watch(job):
+        print(event["state"], event["step"], event.get("loss"))
+    c.fetch(job, "trained.pt")
+
+Needs python3-grpcio and python3-protobuf (Debian). The stubs in _stubs/ are made by
+client/python/generate from proto/.
+"""
+import os
+import sys
+
+import grpc
+from google.protobuf import json_format
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "_stubs"))
+from proto import coordinator_pb2, coordinator_pb2_grpc, job_pb2  # noqa: E402
+
+__all__ = ["Client", "JobFailed", "PippyError"]
+
+CHUNK = 1 << 20
+TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
+
+# Names as pippyctl takes them -> the spec's enums.
+SCHEDULES = {"gpipe": "SCHEDULE_GPIPE", "1f1b": "SCHEDULE_1F1B", "interleaved-1f1b": "SCHEDULE_INTERLEAVED_1F1B",
+             "looped-bfs": "SCHEDULE_LOOPED_BFS", "zb1p": "SCHEDULE_ZB1P", "zbv": "SCHEDULE_ZBV",
+             "inference": "SCHEDULE_INFERENCE"}
+LOSSES = {"mse": "LOSS_MSE", "cross_entropy": "LOSS_CROSS_ENTROPY", "model": "LOSS_MODEL"}
+OPTIMIZERS = {"sgd": "OPTIMIZER_SGD", "adam": "OPTIMIZER_ADAM", "adamw": "OPTIMIZER_ADAMW"}
+BALANCES = {"params": "BALANCE_PARAMS", "flops": "BALANCE_FLOPS", "time": "BALANCE_TIME"}
+
+
+class PippyError(Exception):
+    """An RPC the coordinator refused or could not serve; .code is the gRPC status code."""
+
+    def __init__(self, code, message):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+
+
+class JobFailed(PippyError):
+    """wait() on a job that ended FAILED or CANCELLED."""
+
+
+def _call(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except grpc.RpcError as e:
+        raise PippyError(e.code(), e.details()) from None
+
+
+def _enum(table, value, what):
+    if value not in table:
+        raise ValueError(f"{what}: unknown {value!r}; use {', '.join(table)}")
+    return table[value]
+
+
+def make_spec(model_path, data_path=None, *, stages=0, split_at=(), balance="params", schedule, microbatches,
+              batch_size, steps=1, loss=None, optimizer=None, lr=0.01, momentum=0.0, weight_decay=None,
+              beta1=None, beta2=None, eps=None, clip_grad_norm=0.0, name=None, seed=0, synthetic="",
+              stages_per_worker=0, replicas=1, checkpoint_every=None, max_restarts=None, recovery_timeout_s=None):
+    """The JobSpec pippyctl submit would send (the coordinator checks it again)."""
+    spec = job_pb2.JobSpec(name=name or os.path.splitext(os.path.basename(model_path))[0], steps=steps,
+                           batch_size=batch_size, seed=seed, replicas=replicas)
+    spec.split.stages = stages
+    spec.split.split_at.extend(split_at)
+    spec.split.balance = job_pb2.Balance.Value(_enum(BALANCES, balance, "balance"))
+    spec.schedule.kind = job_pb2.ScheduleKind.Value(_enum(SCHEDULES, schedule, "schedule"))
+    spec.schedule.microbatches = microbatches
+    spec.schedule.stages_per_worker = stages_per_worker
+    if schedule != "inference":
+        if loss:
+            spec.loss = job_pb2.LossKind.Value(_enum(LOSSES, loss, "loss"))
+        if optimizer:
+            spec.optimizer.kind = job_pb2.OptimizerKind.Value(_enum(OPTIMIZERS, optimizer, "optimizer"))
+        spec.optimizer.lr = lr
+        spec.optimizer.momentum = momentum
+        spec.optimizer.clip_grad_norm = clip_grad_norm
+        for field, value in (("weight_decay", weight_decay), ("beta1", beta1), ("beta2", beta2), ("eps", eps)):
+            if value is not None:
+                setattr(spec.optimizer, field, value)
+    if data_path:
+        spec.data.file = os.path.basename(data_path)
+    spec.data.synthetic = synthetic
+    for field, value in (("checkpoint_every", checkpoint_every), ("max_restarts", max_restarts),
+                         ("recovery_timeout_s", recovery_timeout_s)):
+        if value is not None:
+            setattr(spec.fault_tolerance, field, value)
+    return spec
+
+
+class Client:
+    """A connection to a coordinator at "HOST:PORT" (default: $PIPPY_COORDINATOR or localhost:7070)."""
+
+    def __init__(self, coordinator=None, timeout_s=30.0):
+        self.coordinator = coordinator or os.environ.get("PIPPY_COORDINATOR", "localhost:7070")
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(self.coordinator,
+                                              options=[("grpc.max_receive_message_length", 64 << 20)])
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def submit(self, model_path, data_path=None, **spec):
+        """Uploads the model (and data) in chunks; returns the job id. Keyword arguments
+        are pippyctl submit's flags (stages=, schedule=, microbatches=, batch_size=, ...)."""
+        job_spec = make_spec(model_path, data_path, **spec)
+
+        def requests():
+            yield coordinator_pb2.SubmitJobRequest(spec=job_spec)
+            for path, field in ((model_path, "model_chunk"), (data_path, "data_chunk")):
+                if not path:
+                    continue
+                with open(path, "rb") as f:
+                    while True:
+                        chunk = f.read(CHUNK)
+                        if not chunk:
+                            break
+                        yield coordinator_pb2.SubmitJobRequest(**{field: chunk})
+
+        return _call(self._stub.SubmitJob, requests()).job_id
+
+    def status(self, job_id):
+        """The job record as a dict (protobuf JSON with the .proto's field names)."""
+        job = _call(self._stub.GetJob, coordinator_pb2.GetJobRequest(job_id=job_id), timeout=self.timeout_s)
+        return json_format.MessageToDict(job, preserving_proto_field_name=True)
+
+    def list_jobs(self):
+        r = _call(self._stub.ListJobs, coordinator_pb2.ListJobsRequest(), timeout=self.timeout_s)
+        return [json_format.MessageToDict(j, preserving_proto_field_name=True) for j in r.jobs]
+
+    def workers(self):
+        r = _call(self._stub.ListWorkers, coordinator_pb2.ListWorkersRequest(), timeout=self.timeout_s)
+        return [json_format.MessageToDict(w, preserving_proto_field_name=True) for w in r.workers]
+
+    def watch(self, job_id):
+        """Yields progress events (dicts: state, step, steps, loss, samples_per_second,
+        message) until the job ends."""
+        stream = self._stub.WatchJob(coordinator_pb2.WatchJobRequest(job_id=job_id))
+        try:
+            for event in stream:
+                e = json_format.MessageToDict(event, preserving_proto_field_name=True,
+                                              including_default_value_fields=True)
+                yield e
+                if e["state"] in TERMINAL:
+                    return
+        except grpc.RpcError as e:
+            raise PippyError(e.code(), e.details()) from None
+
+    def wait(self, job_id):
+        """Follows the job to its end; returns its record, or raises JobFailed."""
+        for _ in self.watch(job_id):
+            pass
+        job = self.status(job_id)
+        if job["state"] != "SUCCEEDED":
+            raise JobFailed(grpc.StatusCode.ABORTED, f"job {job_id} {job['state']}: {job.get('reason', '')}")
+        return job
+
+    def cancel(self, job_id):
+        job = _call(self._stub.CancelJob, coordinator_pb2.CancelJobRequest(job_id=job_id), timeout=self.timeout_s)
+        return json_format.MessageToDict(job, preserving_proto_field_name=True)
+
+    def fetch(self, job_id, path):
+        """Writes the job's result (the trained TorchScript model, or an inference job's
+        outputs) to path, streaming; returns the bytes written."""
+        tmp = path + ".part"
+        n = 0
+        try:
+            with open(tmp, "wb") as f:
+                for chunk in self._stub.FetchModel(coordinator_pb2.FetchModelRequest(job_id=job_id)):
+                    f.write(chunk.data)
+                    n += len(chunk.data)
+        except grpc.RpcError as e:
+            os.unlink(tmp)
+            raise PippyError(e.code(), e.details()) from None
+        os.replace(tmp, path)
+        return n
