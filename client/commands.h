@@ -18,6 +18,7 @@ constexpr char kProgram[] = "pippyctl";
 struct GlobalFlags {
   std::string coordinator = "localhost:7070";  // --coordinator, else $PIPPY_COORDINATOR
   std::string output = "table";                // --output table|json
+  std::string tls_ca;                          // --tls-ca, else $PIPPY_TLS_CA: TLS to the coordinator
 };
 
 // Offline (no coordinator): `split`, `schedule`.

@@ -20,13 +20,17 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"table", "json"}))
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast)
       ->capture_default_str();
+  app.add_option("--tls-ca", globals.tls_ca, "TLS to the coordinator: the CA that signed its certificate (PEM)")
+      ->envname("PIPPY_TLS_CA")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast)
+      ->check(CLI::ExistingFile);
   app.require_subcommand(1);
   int exit_code = kExitOk;
   AddRemoteCommands(app, globals, &exit_code);
   AddLocalCommand(app, globals, &exit_code);
   AddSplitCommand(app);
   AddScheduleCommand(app, globals, &exit_code);
-  const std::vector<std::string> value_options = {"--coordinator", "--output"};
+  const std::vector<std::string> value_options = {"--coordinator", "--output", "--tls-ca"};
   if (auto unknown = UnknownCommand(app, argc, argv, value_options)) {
     std::cerr << kProgram << ": " << *unknown << "\n";
     return kExitBadInput;
@@ -34,7 +38,7 @@ int main(int argc, char** argv) {
   // `split` runs as pippyctl-split (LibTorch): hand it what follows the command.
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
-    if (arg == "--coordinator" || arg == "--output") {
+    if (arg == "--coordinator" || arg == "--output" || arg == "--tls-ca") {
       if (i + 1 < argc && arg == "--output") globals.output = argv[i + 1];
       ++i;
       continue;

@@ -24,6 +24,7 @@
 #include "client/commands.h"
 #include "client/table.h"
 #include "common/cli.h"
+#include "common/tls.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/grpcpp.h"
 #include "pipeline/job/job_spec.h"
@@ -54,6 +55,14 @@ std::string Json(const google::protobuf::Message& m) {
 
 bool Terminal(JobState s) { return s == SUCCEEDED || s == FAILED || s == CANCELLED; }
 
+// Plain or TLS (--tls-ca) credentials; a bad --tls-ca file was refused when the flags
+// were parsed, so failing here means it is not PEM: exit 2 with the reason.
+std::shared_ptr<grpc::ChannelCredentials> Credentials(const GlobalFlags& g) {
+  auto c = tls::ChannelCredentials({g.tls_ca, "", ""});
+  if (!c.ok()) std::exit(Fail(kProgram, c.status()));
+  return *c;
+}
+
 std::unique_ptr<Coordinator::Stub> Connect(const GlobalFlags& g) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
@@ -61,7 +70,7 @@ std::unique_ptr<Coordinator::Stub> Connect(const GlobalFlags& g) {
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-  return Coordinator::NewStub(grpc::CreateCustomChannel(g.coordinator, grpc::InsecureChannelCredentials(), args));
+  return Coordinator::NewStub(grpc::CreateCustomChannel(g.coordinator, Credentials(g), args));
 }
 
 void PrintJob(const Job& j) {
@@ -574,7 +583,7 @@ int RunTrace(const std::string& job_id, int step, const std::string& out, const 
 // SERVING, 1 when it answers anything else, 3 when it cannot be reached.
 int RunHealth(const std::string& target, const std::string& service, double timeout_s, const GlobalFlags& g) {
   const std::string where = target.empty() ? g.coordinator : target;
-  auto stub = grpc::health::v1::Health::NewStub(grpc::CreateChannel(where, grpc::InsecureChannelCredentials()));
+  auto stub = grpc::health::v1::Health::NewStub(grpc::CreateChannel(where, Credentials(g)));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
   grpc::health::v1::HealthCheckRequest req;

@@ -145,8 +145,14 @@ grpc::Status CoordinatorGrpc::GetTrace(grpc::ServerContext*, const GetTraceReque
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerHubGrpc::Connect(grpc::ServerContext*,
+grpc::Status WorkerHubGrpc::Connect(grpc::ServerContext* context,
                                     grpc::ServerReaderWriter<CoordinatorMessage, WorkerMessage>* stream) {
+  if (require_client_cert_ && !context->auth_context()->IsPeerAuthenticated()) {
+    log::Warn("a worker from {} was refused: no client certificate signed by --tls-client-ca", context->peer());
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        "workers must present a client certificate signed by the coordinator's --tls-client-ca "
+                        "(pippy-worker --tls-cert/--tls-key)");
+  }
   WorkerMessage m;
   if (!stream->Read(&m) || !m.has_register_()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "register: the first message must register the worker");

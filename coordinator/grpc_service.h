@@ -31,12 +31,16 @@ class CoordinatorGrpc final : public pippy::Coordinator::Service {
 
 class WorkerHubGrpc final : public pippy::WorkerHub::Service {
  public:
-  explicit WorkerHubGrpc(Coordinator* logic) : logic_(logic) {}
+  // require_client_cert: workers must present a certificate the server's TLS verified
+  // (--tls-client-ca); others are refused with UNAUTHENTICATED.
+  explicit WorkerHubGrpc(Coordinator* logic, bool require_client_cert = false)
+      : logic_(logic), require_client_cert_(require_client_cert) {}
   grpc::Status Connect(grpc::ServerContext* context,
                        grpc::ServerReaderWriter<CoordinatorMessage, WorkerMessage>* stream) override;
 
  private:
   Coordinator* logic_;
+  bool require_client_cert_;
 };
 
 }  // namespace pippy::coordinator

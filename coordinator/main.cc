@@ -10,6 +10,7 @@
 #include "common/log.h"
 #include "common/metrics.h"
 #include "common/systemd.h"
+#include "common/tls.h"
 #include "coordinator/grpc_service.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -43,6 +44,13 @@ int main(int argc, char** argv) {
   app.add_option("--max-message-mib", max_message_mib,
                  "largest gRPC message accepted; files travel in 1 MiB chunks, so models of any size fit")
       ->check(CLI::Range(2, 2047))->capture_default_str();
+  tls::ServerFiles tls_files;
+  app.add_option("--tls-cert", tls_files.cert, "serve gRPC over TLS with this certificate (PEM; with --tls-key)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--tls-key", tls_files.key, "the certificate's private key (PEM)")->check(CLI::ExistingFile);
+  app.add_option("--tls-client-ca", tls_files.client_ca,
+                 "mTLS for workers: WorkerHub accepts only clients whose certificate this CA signed (PEM)")
+      ->check(CLI::ExistingFile);
   int metrics_port = -1;
   app.add_option("--metrics-port", metrics_port,
                  "serve Prometheus metrics at http://BIND:PORT/metrics (0: any free port, printed in the log)")
@@ -67,12 +75,14 @@ int main(int argc, char** argv) {
     log::Info("metrics on http://{}:{}/metrics", bind, metrics_server->port());
   }
   coordinator::CoordinatorGrpc api(logic->get());
-  coordinator::WorkerHubGrpc hub(logic->get());
+  auto credentials = tls::ServerCredentials(tls_files);
+  if (!credentials.ok()) return cli::Fail(kProgram, credentials.status());
+  coordinator::WorkerHubGrpc hub(logic->get(), /*require_client_cert=*/!tls_files.client_ca.empty());
   // grpc.health.v1.Health: SERVING from the start (the state store is open by now).
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int bound = 0;
-  builder.AddListeningPort(absl::StrCat(bind, ":", port), grpc::InsecureServerCredentials(), &bound);
+  builder.AddListeningPort(absl::StrCat(bind, ":", port), *credentials, &bound);
   builder.SetMaxReceiveMessageSize(max_message_mib << 20);
   builder.RegisterService(&api);
   builder.RegisterService(&hub);
@@ -89,7 +99,9 @@ int main(int argc, char** argv) {
     }
   }
   g_server->GetHealthCheckService()->SetServingStatus(true);
-  log::Info("pippy-coordinator listening on {}:{} (state in {})", bind, bound, state_dir);
+  log::Info("pippy-coordinator listening on {}:{}{} (state in {})", bind, bound,
+            tls_files.cert.empty() ? "" : tls_files.client_ca.empty() ? " over TLS" : " over TLS, workers with mTLS",
+            state_dir);
   systemd::NotifyReady(absl::StrCat("serving on ", bind, ":", bound));
   systemd::StartWatchdog();
   // Workers keep their streams open forever: cancel what is still open after 2 s.

@@ -43,6 +43,11 @@ int main(int argc, char** argv) {
                  "serve Prometheus metrics at http://0.0.0.0:PORT/metrics (steps, step time, bytes moved, "
                  "checkpoints); 0: any free port")
       ->check(CLI::Range(0, 65535));
+  app.add_option("--tls-ca", o.tls_ca, "TLS to the coordinator: the CA that signed its certificate (PEM)")
+      ->envname("PIPPY_TLS_CA")->check(CLI::ExistingFile);
+  app.add_option("--tls-cert", o.tls_cert, "this worker's client certificate for mTLS (PEM; with --tls-key)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--tls-key", o.tls_key, "the client certificate's private key (PEM)")->check(CLI::ExistingFile);
   app.add_option("--log-level", log_level, "debug | info | warn | error")
       ->check(CLI::IsMember({"debug", "info", "warn", "error", "off"}))->capture_default_str();
   if (auto code = cli::Parse(app, argc, argv)) return *code;

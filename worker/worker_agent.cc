@@ -19,6 +19,7 @@
 #include "common/memory.h"
 #include "common/metrics.h"
 #include "common/systemd.h"
+#include "common/tls.h"
 #include "common/status.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/health.grpc.pb.h"
@@ -147,7 +148,9 @@ class Agent {
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
     args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
-    auto channel = grpc::CreateCustomChannel(options_.coordinator, grpc::InsecureChannelCredentials(), args);
+    PIPPY_ASSIGN_OR_RETURN(auto credentials,
+                           tls::ChannelCredentials({options_.tls_ca, options_.tls_cert, options_.tls_key}));
+    auto channel = grpc::CreateCustomChannel(options_.coordinator, credentials, args);
     if (!channel->WaitForConnected(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(connect_timeout))) {
       return absl::UnavailableError(absl::StrCat("cannot reach the coordinator at ", options_.coordinator,
                                                  " within ", absl::FormatDuration(connect_timeout)));
@@ -175,6 +178,9 @@ class Agent {
     }
     if (!Write(reg)) {
       grpc::Status fin = stream_->Finish();
+      if (fin.error_code() == grpc::StatusCode::UNAUTHENTICATED) {
+        return absl::UnauthenticatedError(absl::StrCat("the coordinator refused this worker: ", fin.error_message()));
+      }
       return absl::UnavailableError(absl::StrCat("the coordinator closed the stream at registration: ",
                                                  fin.error_message()));
     }
@@ -206,6 +212,9 @@ class Agent {
     heartbeat.join();
     if (job_.joinable()) job_.join();
     grpc::Status s = stream_->Finish();
+    if (s.error_code() == grpc::StatusCode::UNAUTHENTICATED) {
+      return absl::UnauthenticatedError(absl::StrCat("the coordinator refused this worker: ", s.error_message()));
+    }
     return absl::UnavailableError(absl::StrCat("stream to the coordinator ended: ",
                                                s.ok() ? "closed by the coordinator" : s.error_message()));
   }

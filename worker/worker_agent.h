@@ -41,6 +41,9 @@ struct AgentOptions {
   int health_port = -1;
   // Prometheus metrics at http://0.0.0.0:PORT/metrics. -1: none.
   int metrics_port = -1;
+  // TLS to the coordinator: the CA that signed its certificate; this worker's
+  // certificate and key for mTLS (--tls-client-ca on the coordinator). Empty: plain.
+  std::string tls_ca, tls_cert, tls_key;
 };
 
 // Connects and serves. When the coordinator goes away (it stopped, restarted, or the
