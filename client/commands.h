@@ -19,6 +19,7 @@ struct GlobalFlags {
   std::string coordinator = "localhost:7070";  // --coordinator, else $PIPPY_COORDINATOR
   std::string output = "table";                // --output table|json
   std::string tls_ca;                          // --tls-ca, else $PIPPY_TLS_CA: TLS to the coordinator
+  std::string token_file;                      // --token-file: the user's token (else $PIPPY_TOKEN)
 };
 
 // Offline (no coordinator): `split`, `schedule`.

@@ -24,13 +24,17 @@ int main(int argc, char** argv) {
       ->envname("PIPPY_TLS_CA")
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast)
       ->check(CLI::ExistingFile);
+  app.add_option("--token-file", globals.token_file,
+                 "a file holding your token for a coordinator started with --auth-token-file (else $PIPPY_TOKEN)")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast)
+      ->check(CLI::ExistingFile);
   app.require_subcommand(1);
   int exit_code = kExitOk;
   AddRemoteCommands(app, globals, &exit_code);
   AddLocalCommand(app, globals, &exit_code);
   AddSplitCommand(app);
   AddScheduleCommand(app, globals, &exit_code);
-  const std::vector<std::string> value_options = {"--coordinator", "--output", "--tls-ca"};
+  const std::vector<std::string> value_options = {"--coordinator", "--output", "--tls-ca", "--token-file"};
   if (auto unknown = UnknownCommand(app, argc, argv, value_options)) {
     std::cerr << kProgram << ": " << *unknown << "\n";
     return kExitBadInput;
@@ -38,7 +42,7 @@ int main(int argc, char** argv) {
   // `split` runs as pippyctl-split (LibTorch): hand it what follows the command.
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
-    if (arg == "--coordinator" || arg == "--output" || arg == "--tls-ca") {
+    if (arg == "--coordinator" || arg == "--output" || arg == "--tls-ca" || arg == "--token-file") {
       if (i + 1 < argc && arg == "--output") globals.output = argv[i + 1];
       ++i;
       continue;

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -61,6 +62,22 @@ std::shared_ptr<grpc::ChannelCredentials> Credentials(const GlobalFlags& g) {
   auto c = tls::ChannelCredentials({g.tls_ca, "", ""});
   if (!c.ok()) std::exit(Fail(kProgram, c.status()));
   return *c;
+}
+
+// The user's token (--token-file or PIPPY_TOKEN) on every call: "authorization: Bearer T".
+void Authorize(grpc::ClientContext* ctx, const GlobalFlags& g) {
+  static const std::string token = [&g] {
+    std::string t;
+    if (!g.token_file.empty()) {
+      std::ifstream in(g.token_file);
+      std::getline(in, t);
+    } else if (const char* env = std::getenv("PIPPY_TOKEN")) {
+      t = env;
+    }
+    while (!t.empty() && (t.back() == '\r' || t.back() == ' ' || t.back() == '\n')) t.pop_back();
+    return t;
+  }();
+  if (!token.empty()) ctx->AddMetadata("authorization", "Bearer " + token);
 }
 
 std::unique_ptr<Coordinator::Stub> Connect(const GlobalFlags& g) {
@@ -145,6 +162,7 @@ absl::StatusOr<Job> Watch(Coordinator::Stub* stub, const std::string& job_id, co
   absl::Time lost_since = absl::InfiniteFuture();
   while (true) {
     grpc::ClientContext ctx;
+    Authorize(&ctx, g);
     WatchJobRequest req;
     req.set_job_id(job_id);
     auto reader = stub->WatchJob(&ctx, req);
@@ -190,6 +208,7 @@ absl::StatusOr<Job> Watch(Coordinator::Stub* stub, const std::string& job_id, co
   }
   if (tty) std::cout << "\n";
   grpc::ClientContext ctx2;
+  Authorize(&ctx2, g);
   GetJobRequest get;
   get.set_job_id(job_id);
   Job job;
@@ -299,6 +318,7 @@ int RunSubmit(const SubmitFlags& f, const GlobalFlags& g) {
   if (!spec.ok()) return Fail(kProgram, spec.status());
   auto stub = Connect(g);
   grpc::ClientContext ctx;
+  Authorize(&ctx, g);
   SubmitJobResponse resp;
   auto writer = stub->SubmitJob(&ctx, &resp);
   SubmitJobRequest first;
@@ -400,6 +420,7 @@ void AddSubmit(CLI::App& root, const GlobalFlags& g, int* exit_code) {
 int RunList(const GlobalFlags& g) {
   auto stub = Connect(g);
   grpc::ClientContext ctx;
+  Authorize(&ctx, g);
   ListJobsResponse r;
   grpc::Status s = stub->ListJobs(&ctx, ListJobsRequest(), &r);
   if (!s.ok()) return Fail(kProgram, FromGrpc(s, g.coordinator));
@@ -420,6 +441,7 @@ int RunList(const GlobalFlags& g) {
 int RunWorkers(const GlobalFlags& g) {
   auto stub = Connect(g);
   grpc::ClientContext ctx;
+  Authorize(&ctx, g);
   ListWorkersResponse r;
   grpc::Status s = stub->ListWorkers(&ctx, ListWorkersRequest(), &r);
   if (!s.ok()) return Fail(kProgram, FromGrpc(s, g.coordinator));
@@ -446,6 +468,7 @@ int RunWorkers(const GlobalFlags& g) {
 int RunStatusOrCancel(const std::string& job_id, bool cancel, const GlobalFlags& g) {
   auto stub = Connect(g);
   grpc::ClientContext ctx;
+  Authorize(&ctx, g);
   Job j;
   grpc::Status s;
   if (cancel) {
@@ -477,6 +500,7 @@ int RunWatch(const std::string& job_id, const GlobalFlags& g) {
 int RunFetch(const std::string& job_id, const std::string& out, const GlobalFlags& g) {
   auto stub = Connect(g);
   grpc::ClientContext ctx;
+  Authorize(&ctx, g);
   FetchModelRequest r;
   r.set_job_id(job_id);
   auto reader = stub->FetchModel(&ctx, r);
@@ -557,6 +581,7 @@ std::string ChromeTrace(const StepTrace& t) {
 int RunTrace(const std::string& job_id, int step, const std::string& out, const GlobalFlags& g) {
   auto stub = Connect(g);
   grpc::ClientContext ctx;
+  Authorize(&ctx, g);
   GetTraceRequest r;
   r.set_job_id(job_id);
   r.set_step(step);
@@ -585,6 +610,7 @@ int RunHealth(const std::string& target, const std::string& service, double time
   const std::string where = target.empty() ? g.coordinator : target;
   auto stub = grpc::health::v1::Health::NewStub(grpc::CreateChannel(where, Credentials(g)));
   grpc::ClientContext ctx;
+  Authorize(&ctx, g);
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
   grpc::health::v1::HealthCheckRequest req;
   req.set_service(service);

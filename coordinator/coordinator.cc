@@ -162,7 +162,8 @@ void Coordinator::ReleaseModelSlot() {
   model_in_memory_ = false;
 }
 
-absl::StatusOr<std::string> Coordinator::SubmitJob(const JobSpec& spec, std::unique_ptr<Upload> upload) {
+absl::StatusOr<std::string> Coordinator::SubmitJob(const JobSpec& spec, std::unique_ptr<Upload> upload,
+                                                   const std::string& user) {
   absl::Status closed = upload->Close();
   if (!closed.ok()) return closed;
   absl::Status slot = AcquireModelSlot();
@@ -198,6 +199,7 @@ absl::StatusOr<std::string> Coordinator::SubmitJob(const JobSpec& spec, std::uni
     }
     JobEntry entry;
     entry.job.set_job_id(id);
+    entry.job.set_user(user);
     *entry.job.mutable_spec() = prepared->spec;
     *entry.job.mutable_plan() = prepared->plan;
     entry.job.set_state(PARTITIONING);
@@ -355,18 +357,23 @@ absl::StatusOr<Job> Coordinator::WaitForChange(const std::string& job_id, int64_
   return it->second.job;
 }
 
-absl::StatusOr<Job> Coordinator::CancelJob(const std::string& job_id) {
+absl::StatusOr<Job> Coordinator::CancelJob(const std::string& job_id, const std::string& user) {
   Outbox out;
   Job result;
   {
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(job_id);
     if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job '", job_id, "'"));
+    const std::string& owner = it->second.job.user();
+    if (!user.empty() && !owner.empty() && user != owner) {
+      return absl::PermissionDeniedError(absl::StrCat("job ", job_id, " was submitted by ", owner,
+                                                      "; only they can cancel it"));
+    }
     if (Terminal(it->second.job.state())) {
       return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " already ended (",
                                                         JobState_Name(it->second.job.state()), ")"));
     }
-    Finish(it->second, CANCELLED, "cancelled by the user", &out);
+    Finish(it->second, CANCELLED, user.empty() ? "cancelled by the user" : absl::StrCat("cancelled by ", user), &out);
     result = it->second.job;
   }
   Deliver(&out);

@@ -94,11 +94,14 @@ class Coordinator {
   // Prepares the job from the spec and the finished upload, and queues it.
   // Errors: INVALID_ARGUMENT naming the field (spec, model, data, split, schedule), or
   // when more workers are needed than are registered (none registered: it waits).
-  absl::StatusOr<std::string> SubmitJob(const JobSpec& spec, std::unique_ptr<Upload> upload);
+  // `user` (from a token; "" without auth) is recorded as the job's submitter.
+  absl::StatusOr<std::string> SubmitJob(const JobSpec& spec, std::unique_ptr<Upload> upload,
+                                        const std::string& user = "");
   absl::StatusOr<Job> GetJob(const std::string& job_id);
   std::vector<Job> ListJobs();
-  // Errors: NOT_FOUND; FAILED_PRECONDITION for a job that already ended.
-  absl::StatusOr<Job> CancelJob(const std::string& job_id);
+  // Errors: NOT_FOUND; FAILED_PRECONDITION for a job that already ended;
+  // PERMISSION_DENIED when `user` is not the job's submitter (both known).
+  absl::StatusOr<Job> CancelJob(const std::string& job_id, const std::string& user = "");
   // The file FetchModel serves: the trained model, or an inference job's outputs.
   // Errors: NOT_FOUND; FAILED_PRECONDITION while the job has none (yet).
   absl::StatusOr<std::string> ResultPath(const std::string& job_id);

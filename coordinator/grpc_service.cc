@@ -47,13 +47,25 @@ bool Terminal(JobState s) { return s == SUCCEEDED || s == FAILED || s == CANCELL
 
 }  // namespace
 
+absl::StatusOr<std::string> CoordinatorGrpc::Authenticate(grpc::ServerContext* context) const {
+  if (auth_ == nullptr) return std::string();
+  std::string header;
+  auto it = context->client_metadata().find("authorization");
+  if (it != context->client_metadata().end()) header.assign(it->second.data(), it->second.size());
+  auto user = auth_->UserOf(header);
+  if (!user.ok()) log::Warn("refused a call from {}: {}", context->peer(), user.status().message());
+  return user;
+}
+
 grpc::Status ToGrpc(const absl::Status& s) {
   if (s.ok()) return grpc::Status::OK;
   return grpc::Status(static_cast<grpc::StatusCode>(static_cast<int>(s.code())), std::string(s.message()));
 }
 
-grpc::Status CoordinatorGrpc::SubmitJob(grpc::ServerContext*, grpc::ServerReader<SubmitJobRequest>* reader,
+grpc::Status CoordinatorGrpc::SubmitJob(grpc::ServerContext* context, grpc::ServerReader<SubmitJobRequest>* reader,
                                         SubmitJobResponse* response) {
+  auto user = Authenticate(context);
+  if (!user.ok()) return ToGrpc(user.status());
   SubmitJobRequest req;
   if (!reader->Read(&req) || !req.has_spec()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "spec: the first message of SubmitJob must be the job spec");
@@ -81,13 +93,15 @@ grpc::Status CoordinatorGrpc::SubmitJob(grpc::ServerContext*, grpc::ServerReader
   }
   log::Info("received a submission: model {} bytes, data {} bytes in {}", (*upload)->model_bytes(),
             (*upload)->data_bytes(), absl::FormatDuration(absl::Now() - start));
-  auto id = logic_->SubmitJob(spec, std::move(*upload));
+  auto id = logic_->SubmitJob(spec, std::move(*upload), *user);
   if (!id.ok()) return ToGrpc(id.status());
   response->set_job_id(*id);
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorGrpc::GetJob(grpc::ServerContext*, const GetJobRequest* request, Job* response) {
+grpc::Status CoordinatorGrpc::GetJob(grpc::ServerContext* context, const GetJobRequest* request, Job* response) {
+  auto user = Authenticate(context);
+  if (!user.ok()) return ToGrpc(user.status());
   if (request->job_id().empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "job_id: missing");
   auto job = logic_->GetJob(request->job_id());
   if (!job.ok()) return ToGrpc(job.status());
@@ -95,13 +109,17 @@ grpc::Status CoordinatorGrpc::GetJob(grpc::ServerContext*, const GetJobRequest* 
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorGrpc::ListJobs(grpc::ServerContext*, const ListJobsRequest*, ListJobsResponse* response) {
+grpc::Status CoordinatorGrpc::ListJobs(grpc::ServerContext* context, const ListJobsRequest*, ListJobsResponse* response) {
+  auto user = Authenticate(context);
+  if (!user.ok()) return ToGrpc(user.status());
   for (Job& j : logic_->ListJobs()) *response->add_jobs() = std::move(j);
   return grpc::Status::OK;
 }
 
 grpc::Status CoordinatorGrpc::WatchJob(grpc::ServerContext* context, const WatchJobRequest* request,
                                        grpc::ServerWriter<ProgressEvent>* writer) {
+  auto user = Authenticate(context);
+  if (!user.ok()) return ToGrpc(user.status());
   int64_t version = -1;
   while (!context->IsCancelled()) {
     int64_t before = version;
@@ -113,15 +131,19 @@ grpc::Status CoordinatorGrpc::WatchJob(grpc::ServerContext* context, const Watch
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorGrpc::CancelJob(grpc::ServerContext*, const CancelJobRequest* request, Job* response) {
-  auto job = logic_->CancelJob(request->job_id());
+grpc::Status CoordinatorGrpc::CancelJob(grpc::ServerContext* context, const CancelJobRequest* request, Job* response) {
+  auto user = Authenticate(context);
+  if (!user.ok()) return ToGrpc(user.status());
+  auto job = logic_->CancelJob(request->job_id(), *user);
   if (!job.ok()) return ToGrpc(job.status());
   *response = *job;
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorGrpc::FetchModel(grpc::ServerContext*, const FetchModelRequest* request,
+grpc::Status CoordinatorGrpc::FetchModel(grpc::ServerContext* context, const FetchModelRequest* request,
                                          grpc::ServerWriter<ModelChunk>* writer) {
+  auto user = Authenticate(context);
+  if (!user.ok()) return ToGrpc(user.status());
   auto path = logic_->ResultPath(request->job_id());
   if (!path.ok()) return ToGrpc(path.status());
   constexpr size_t kChunk = 1 << 20;
@@ -132,13 +154,17 @@ grpc::Status CoordinatorGrpc::FetchModel(grpc::ServerContext*, const FetchModelR
   }));
 }
 
-grpc::Status CoordinatorGrpc::ListWorkers(grpc::ServerContext*, const ListWorkersRequest*,
+grpc::Status CoordinatorGrpc::ListWorkers(grpc::ServerContext* context, const ListWorkersRequest*,
                                           ListWorkersResponse* response) {
+  auto user = Authenticate(context);
+  if (!user.ok()) return ToGrpc(user.status());
   for (WorkerInfo& w : logic_->ListWorkers()) *response->add_workers() = std::move(w);
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorGrpc::GetTrace(grpc::ServerContext*, const GetTraceRequest* request, StepTrace* response) {
+grpc::Status CoordinatorGrpc::GetTrace(grpc::ServerContext* context, const GetTraceRequest* request, StepTrace* response) {
+  auto user = Authenticate(context);
+  if (!user.ok()) return ToGrpc(user.status());
   auto trace = logic_->GetTrace(request->job_id(), request->step());
   if (!trace.ok()) return ToGrpc(trace.status());
   *response = std::move(*trace);

@@ -3,6 +3,7 @@
 #ifndef PIPPY_COORDINATOR_GRPC_SERVICE_H_
 #define PIPPY_COORDINATOR_GRPC_SERVICE_H_
 
+#include "coordinator/auth.h"
 #include "coordinator/coordinator.h"
 #include "proto/coordinator.grpc.pb.h"
 
@@ -12,21 +13,26 @@ grpc::Status ToGrpc(const absl::Status& s);
 
 class CoordinatorGrpc final : public pippy::Coordinator::Service {
  public:
-  explicit CoordinatorGrpc(Coordinator* logic) : logic_(logic) {}
-  grpc::Status SubmitJob(grpc::ServerContext*, grpc::ServerReader<SubmitJobRequest>* reader,
+  // auth: user tokens (--auth-token-file); nullptr: every call is anonymous.
+  explicit CoordinatorGrpc(Coordinator* logic, const TokenAuth* auth = nullptr) : logic_(logic), auth_(auth) {}
+  grpc::Status SubmitJob(grpc::ServerContext* context, grpc::ServerReader<SubmitJobRequest>* reader,
                          SubmitJobResponse* response) override;
-  grpc::Status GetJob(grpc::ServerContext*, const GetJobRequest* request, Job* response) override;
-  grpc::Status ListJobs(grpc::ServerContext*, const ListJobsRequest*, ListJobsResponse* response) override;
+  grpc::Status GetJob(grpc::ServerContext* context, const GetJobRequest* request, Job* response) override;
+  grpc::Status ListJobs(grpc::ServerContext* context, const ListJobsRequest*, ListJobsResponse* response) override;
   grpc::Status WatchJob(grpc::ServerContext* context, const WatchJobRequest* request,
                         grpc::ServerWriter<ProgressEvent>* writer) override;
-  grpc::Status CancelJob(grpc::ServerContext*, const CancelJobRequest* request, Job* response) override;
-  grpc::Status FetchModel(grpc::ServerContext*, const FetchModelRequest* request,
+  grpc::Status CancelJob(grpc::ServerContext* context, const CancelJobRequest* request, Job* response) override;
+  grpc::Status FetchModel(grpc::ServerContext* context, const FetchModelRequest* request,
                           grpc::ServerWriter<ModelChunk>* writer) override;
-  grpc::Status ListWorkers(grpc::ServerContext*, const ListWorkersRequest*, ListWorkersResponse* response) override;
-  grpc::Status GetTrace(grpc::ServerContext*, const GetTraceRequest* request, StepTrace* response) override;
+  grpc::Status ListWorkers(grpc::ServerContext* context, const ListWorkersRequest*, ListWorkersResponse* response) override;
+  grpc::Status GetTrace(grpc::ServerContext* context, const GetTraceRequest* request, StepTrace* response) override;
 
  private:
+  // The caller's user ("" without auth). Errors: UNAUTHENTICATED, logged with the
+  // peer's address (never the token).
+  absl::StatusOr<std::string> Authenticate(grpc::ServerContext* context) const;
   Coordinator* logic_;
+  const TokenAuth* auth_;
 };
 
 class WorkerHubGrpc final : public pippy::WorkerHub::Service {

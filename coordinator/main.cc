@@ -51,6 +51,12 @@ int main(int argc, char** argv) {
   app.add_option("--tls-client-ca", tls_files.client_ca,
                  "mTLS for workers: WorkerHub accepts only clients whose certificate this CA signed (PEM)")
       ->check(CLI::ExistingFile);
+  std::string auth_token_file;
+  app.add_option("--auth-token-file", auth_token_file,
+                 "user tokens, one \"NAME TOKEN\" per line: every Coordinator call then needs \"authorization: "
+                 "Bearer TOKEN\" (pippyctl --token-file / PIPPY_TOKEN), and a job can be cancelled only by its "
+                 "submitter")
+      ->check(CLI::ExistingFile);
   int metrics_port = -1;
   app.add_option("--metrics-port", metrics_port,
                  "serve Prometheus metrics at http://BIND:PORT/metrics (0: any free port, printed in the log)")
@@ -74,7 +80,14 @@ int main(int argc, char** argv) {
     metrics_server = std::move(*started);
     log::Info("metrics on http://{}:{}/metrics", bind, metrics_server->port());
   }
-  coordinator::CoordinatorGrpc api(logic->get());
+  std::unique_ptr<coordinator::TokenAuth> auth;
+  if (!auth_token_file.empty()) {
+    auto loaded = coordinator::TokenAuth::Load(auth_token_file);
+    if (!loaded.ok()) return cli::Fail(kProgram, loaded.status());
+    auth = std::move(*loaded);
+    log::Info("user tokens: {} user(s) from {}", auth->users(), auth_token_file);
+  }
+  coordinator::CoordinatorGrpc api(logic->get(), auth.get());
   auto credentials = tls::ServerCredentials(tls_files);
   if (!credentials.ok()) return cli::Fail(kProgram, credentials.status());
   coordinator::WorkerHubGrpc hub(logic->get(), /*require_client_cert=*/!tls_files.client_ca.empty());

@@ -1,5 +1,5 @@
 #!/bin/bash
-# TLS end to end: certificates from scripts/make-dev-certs; a real coordinator serving
+# TLS and user tokens end to end: certificates from scripts/make-dev-certs; a real coordinator serving
 # gRPC over TLS with mTLS for workers (--tls-client-ca); workers with a client
 # certificate register and train a job that pippyctl (--tls-ca) submits and fetches;
 # a worker without a client certificate is refused (UNAUTHENTICATED), and so is a
@@ -71,6 +71,43 @@ else
   bad "job over TLS: $(cat "$TMP/job.err")"
 fi
 "$PIPPYCTL" health "$ADDR" --tls-ca "$C/ca.pem" > /dev/null && ok "health over TLS" || bad "health over TLS"
+
+# User tokens (--auth-token-file): no token or a wrong one is UNAUTHENTICATED (exit 2),
+# the job records its submitter, and only they may cancel it (PERMISSION_DENIED);
+# the coordinator's log never holds a token. (No workers: the jobs wait, queued.)
+printf '# users\nalice %s\nbob %s\n' "alice-token-0123456789abcdef" "bob-token-0123456789abcdef" > "$TMP/tokens"
+echo "bob-token-0123456789abcdef" > "$TMP/bob.token"
+"$COORD" --bind 127.0.0.1 --port 0 --port-file "$TMP/port2" --state-dir "$TMP/state2" --auth-token-file "$TMP/tokens" \
+  > "$TMP/coordinator2.log" 2>&1 &
+pids+=($!)
+for _ in $(seq 100); do [ -s "$TMP/port2" ] && break; sleep 0.1; done
+ADDR2="127.0.0.1:$(cat "$TMP/port2")"
+"$PIPPYCTL" --coordinator "$ADDR2" list > "$TMP/anon.out" 2>&1
+rc_anon=$?
+PIPPY_TOKEN=not-a-known-token-at-all "$PIPPYCTL" --coordinator "$ADDR2" list > "$TMP/wrong.out" 2>&1
+rc_wrong=$?
+if [ "$rc_anon" != 0 ] && grep -q "UNAUTHENTICATED\|no token" "$TMP/anon.out" && [ "$rc_wrong" != 0 ] &&
+   grep -q "unknown token" "$TMP/wrong.out"; then
+  ok "no token / a wrong token: refused ($(tail -1 "$TMP/anon.out" | cut -c1-100))"
+else
+  bad "tokens: anonymous exit $rc_anon ($(cat "$TMP/anon.out")), wrong exit $rc_wrong ($(cat "$TMP/wrong.out"))"
+fi
+job=$("$PIPPYCTL" --coordinator "$ADDR2" --token-file "$TMP/bob.token" submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" \
+        --stages 2 --schedule 1f1b --microbatches 4 --batch-size 16 --steps 3 --loss mse --optimizer sgd 2> "$TMP/bob.err")
+owner=$("$PIPPYCTL" --coordinator "$ADDR2" --token-file "$TMP/bob.token" status "$job" --output json |
+        /usr/bin/python3 -c "import json,sys; print(json.load(sys.stdin).get('user'))")
+PIPPY_TOKEN=alice-token-0123456789abcdef "$PIPPYCTL" --coordinator "$ADDR2" cancel "$job" > "$TMP/alice.out" 2>&1
+rc_alice=$?
+"$PIPPYCTL" --coordinator "$ADDR2" --token-file "$TMP/bob.token" cancel "$job" > "$TMP/bobcancel.out" 2>&1
+rc_bob=$?
+if [ "$owner" = bob ] && [ "$rc_alice" != 0 ] && grep -q "submitted by bob; only they can cancel it" "$TMP/alice.out" &&
+   [ "$rc_bob" = 0 ]; then
+  ok "the job records bob; alice cannot cancel it ($(tail -1 "$TMP/alice.out" | cut -c1-90)), bob can"
+else
+  bad "owner '$owner', alice exit $rc_alice ($(cat "$TMP/alice.out")), bob exit $rc_bob ($(cat "$TMP/bobcancel.out"))"
+fi
+grep -q "token-0123456789abcdef\|not-a-known-token" "$TMP/coordinator2.log" && bad "the log holds a token" ||
+  ok "the coordinator's log names refused peers but holds no token"
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

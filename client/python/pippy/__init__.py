@@ -95,13 +95,24 @@ def make_spec(model_path, data_path=None, *, stages=0, split_at=(), balance="par
 
 
 class Client:
-    """A connection to a coordinator at "HOST:PORT" (default: $PIPPY_COORDINATOR or localhost:7070)."""
+    """A connection to a coordinator at "HOST:PORT" (default: $PIPPY_COORDINATOR or
+    localhost:7070). token: the user's token for a coordinator with --auth-token-file
+    (default: $PIPPY_TOKEN); tls_ca: the PEM file of the CA that signed its certificate
+    when it serves TLS (default: $PIPPY_TLS_CA)."""
 
-    def __init__(self, coordinator=None, timeout_s=30.0):
+    def __init__(self, coordinator=None, timeout_s=30.0, token=None, tls_ca=None):
         self.coordinator = coordinator or os.environ.get("PIPPY_COORDINATOR", "localhost:7070")
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(self.coordinator,
-                                              options=[("grpc.max_receive_message_length", 64 << 20)])
+        token = token if token is not None else os.environ.get("PIPPY_TOKEN", "")
+        self._metadata = [("authorization", f"Bearer {token}")] if token else []
+        tls_ca = tls_ca if tls_ca is not None else os.environ.get("PIPPY_TLS_CA", "")
+        options = [("grpc.max_receive_message_length", 64 << 20)]
+        if tls_ca:
+            with open(tls_ca, "rb") as f:
+                creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+            self._channel = grpc.secure_channel(self.coordinator, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(self.coordinator, options=options)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
 
     def close(self):
@@ -130,25 +141,28 @@ class Client:
                             break
                         yield coordinator_pb2.SubmitJobRequest(**{field: chunk})
 
-        return _call(self._stub.SubmitJob, requests()).job_id
+        return _call(self._stub.SubmitJob, requests(), metadata=self._metadata).job_id
 
     def status(self, job_id):
         """The job record as a dict (protobuf JSON with the .proto's field names)."""
-        job = _call(self._stub.GetJob, coordinator_pb2.GetJobRequest(job_id=job_id), timeout=self.timeout_s)
+        job = _call(self._stub.GetJob, coordinator_pb2.GetJobRequest(job_id=job_id), timeout=self.timeout_s,
+                    metadata=self._metadata)
         return json_format.MessageToDict(job, preserving_proto_field_name=True)
 
     def list_jobs(self):
-        r = _call(self._stub.ListJobs, coordinator_pb2.ListJobsRequest(), timeout=self.timeout_s)
+        r = _call(self._stub.ListJobs, coordinator_pb2.ListJobsRequest(), timeout=self.timeout_s,
+                  metadata=self._metadata)
         return [json_format.MessageToDict(j, preserving_proto_field_name=True) for j in r.jobs]
 
     def workers(self):
-        r = _call(self._stub.ListWorkers, coordinator_pb2.ListWorkersRequest(), timeout=self.timeout_s)
+        r = _call(self._stub.ListWorkers, coordinator_pb2.ListWorkersRequest(), timeout=self.timeout_s,
+                  metadata=self._metadata)
         return [json_format.MessageToDict(w, preserving_proto_field_name=True) for w in r.workers]
 
     def watch(self, job_id):
         """Yields progress events (dicts: state, step, steps, loss, samples_per_second,
         message) until the job ends."""
-        stream = self._stub.WatchJob(coordinator_pb2.WatchJobRequest(job_id=job_id))
+        stream = self._stub.WatchJob(coordinator_pb2.WatchJobRequest(job_id=job_id), metadata=self._metadata)
         try:
             for event in stream:
                 e = json_format.MessageToDict(event, preserving_proto_field_name=True,
@@ -169,7 +183,8 @@ class Client:
         return job
 
     def cancel(self, job_id):
-        job = _call(self._stub.CancelJob, coordinator_pb2.CancelJobRequest(job_id=job_id), timeout=self.timeout_s)
+        job = _call(self._stub.CancelJob, coordinator_pb2.CancelJobRequest(job_id=job_id), timeout=self.timeout_s,
+                    metadata=self._metadata)
         return json_format.MessageToDict(job, preserving_proto_field_name=True)
 
     def fetch(self, job_id, path):
@@ -179,7 +194,8 @@ class Client:
         n = 0
         try:
             with open(tmp, "wb") as f:
-                for chunk in self._stub.FetchModel(coordinator_pb2.FetchModelRequest(job_id=job_id)):
+                for chunk in self._stub.FetchModel(coordinator_pb2.FetchModelRequest(job_id=job_id),
+                                                   metadata=self._metadata):
                     f.write(chunk.data)
                     n += len(chunk.data)
         except grpc.RpcError as e:
