@@ -166,6 +166,20 @@ absl::StatusOr<std::string> Coordinator::SubmitJob(const JobSpec& spec, std::uni
                                                    const std::string& user) {
   absl::Status closed = upload->Close();
   if (!closed.ok()) return closed;
+  if (options_.max_queued_per_user > 0) {
+    absl::MutexLock lock(&mu_);
+    int waiting = 0;
+    for (const auto& [id, e] : jobs_) {
+      const JobState st = e.job.state();
+      if (e.job.user() == user && (st == QUEUED || st == PARTITIONING)) ++waiting;
+    }
+    if (waiting >= options_.max_queued_per_user) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          user.empty() ? "you have " : absl::StrCat(user, " has "), waiting,
+          " jobs waiting for workers, the coordinator's limit (--max-queued-jobs-per-user raises it); cancel one or "
+          "wait for it to start"));
+    }
+  }
   absl::Status slot = AcquireModelSlot();
   if (!slot.ok()) return slot;
   absl::StatusOr<PreparedJob> prepared = PrepareJob(spec, upload->dir());

@@ -81,6 +81,8 @@ class Coordinator {
     absl::Duration heartbeat_timeout = absl::Seconds(10);
     absl::Duration tick = absl::Milliseconds(100);
     size_t chunk_bytes = 1 << 20;  // pieces of the files streamed to workers
+    // Jobs a user may have waiting (QUEUED, or being prepared and staged) at once; 0: no limit.
+    int max_queued_per_user = 0;
   };
 
   // Errors: UNAVAILABLE when the state directory cannot be opened.

@@ -57,6 +57,17 @@ absl::StatusOr<std::string> CoordinatorGrpc::Authenticate(grpc::ServerContext* c
   return user;
 }
 
+absl::StatusOr<std::shared_ptr<void>> CoordinatorGrpc::TakeStream(const char* what) {
+  if (limits_.max_concurrent_streams <= 0) return std::shared_ptr<void>();
+  if (streams_.fetch_add(1) >= limits_.max_concurrent_streams) {
+    streams_.fetch_sub(1);
+    return absl::ResourceExhaustedError(absl::StrCat(what, ": ", limits_.max_concurrent_streams,
+                                                     " uploads and downloads already run (--max-concurrent-streams); "
+                                                     "try again shortly"));
+  }
+  return std::shared_ptr<void>(nullptr, [this](void*) { streams_.fetch_sub(1); });
+}
+
 grpc::Status ToGrpc(const absl::Status& s) {
   if (s.ok()) return grpc::Status::OK;
   return grpc::Status(static_cast<grpc::StatusCode>(static_cast<int>(s.code())), std::string(s.message()));
@@ -71,6 +82,8 @@ grpc::Status CoordinatorGrpc::SubmitJob(grpc::ServerContext* context, grpc::Serv
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "spec: the first message of SubmitJob must be the job spec");
   }
   JobSpec spec = req.spec();
+  auto stream = TakeStream("SubmitJob");
+  if (!stream.ok()) return ToGrpc(stream.status());
   // The chunks go to disk as they arrive: no copy of the model is held here.
   const absl::Time start = absl::Now();
   auto upload = logic_->NewUpload();
@@ -83,9 +96,19 @@ grpc::Status CoordinatorGrpc::SubmitJob(grpc::ServerContext* context, grpc::Serv
         return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "model: send the model's chunks before the data's");
       }
       s = (*upload)->AppendModel(req.model_chunk());
+      if (s.ok() && limits_.max_model_bytes > 0 && (*upload)->model_bytes() > limits_.max_model_bytes) {
+        return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                            absl::StrCat("model: larger than the coordinator's limit of ", limits_.max_model_bytes >> 20,
+                                         " MiB (--max-model-mib raises it)"));
+      }
     } else if (req.has_data_chunk()) {
       data_started = true;
       s = (*upload)->AppendData(req.data_chunk());
+      if (s.ok() && limits_.max_data_bytes > 0 && (*upload)->data_bytes() > limits_.max_data_bytes) {
+        return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                            absl::StrCat("data: larger than the coordinator's limit of ", limits_.max_data_bytes >> 20,
+                                         " MiB (--max-data-mib raises it)"));
+      }
     } else {
       return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "spec: sent twice; send it once, first");
     }
@@ -146,6 +169,8 @@ grpc::Status CoordinatorGrpc::FetchModel(grpc::ServerContext* context, const Fet
   if (!user.ok()) return ToGrpc(user.status());
   auto path = logic_->ResultPath(request->job_id());
   if (!path.ok()) return ToGrpc(path.status());
+  auto stream = TakeStream("FetchModel");
+  if (!stream.ok()) return ToGrpc(stream.status());
   constexpr size_t kChunk = 1 << 20;
   return ToGrpc(ArtifactStore::StreamFile(*path, kChunk, [&](absl::string_view piece) {
     ModelChunk c;

@@ -3,6 +3,9 @@
 #ifndef PIPPY_COORDINATOR_GRPC_SERVICE_H_
 #define PIPPY_COORDINATOR_GRPC_SERVICE_H_
 
+#include <atomic>
+#include <memory>
+
 #include "coordinator/auth.h"
 #include "coordinator/coordinator.h"
 #include "proto/coordinator.grpc.pb.h"
@@ -11,10 +14,19 @@ namespace pippy::coordinator {
 
 grpc::Status ToGrpc(const absl::Status& s);
 
+// Limits on what one call may bring (0: none). Exceeding one is RESOURCE_EXHAUSTED
+// naming the flag that raises it.
+struct Limits {
+  int64_t max_model_bytes = 0;     // --max-model-mib
+  int64_t max_data_bytes = 0;      // --max-data-mib
+  int max_concurrent_streams = 0;  // --max-concurrent-streams: SubmitJob and FetchModel at once
+};
+
 class CoordinatorGrpc final : public pippy::Coordinator::Service {
  public:
   // auth: user tokens (--auth-token-file); nullptr: every call is anonymous.
-  explicit CoordinatorGrpc(Coordinator* logic, const TokenAuth* auth = nullptr) : logic_(logic), auth_(auth) {}
+  explicit CoordinatorGrpc(Coordinator* logic, const TokenAuth* auth = nullptr, Limits limits = {})
+      : logic_(logic), auth_(auth), limits_(limits) {}
   grpc::Status SubmitJob(grpc::ServerContext* context, grpc::ServerReader<SubmitJobRequest>* reader,
                          SubmitJobResponse* response) override;
   grpc::Status GetJob(grpc::ServerContext* context, const GetJobRequest* request, Job* response) override;
@@ -31,8 +43,12 @@ class CoordinatorGrpc final : public pippy::Coordinator::Service {
   // The caller's user ("" without auth). Errors: UNAUTHENTICATED, logged with the
   // peer's address (never the token).
   absl::StatusOr<std::string> Authenticate(grpc::ServerContext* context) const;
+  // Takes one of --max-concurrent-streams (or refuses); the returned guard gives it back.
+  absl::StatusOr<std::shared_ptr<void>> TakeStream(const char* what);
   Coordinator* logic_;
   const TokenAuth* auth_;
+  const Limits limits_;
+  std::atomic<int> streams_{0};
 };
 
 class WorkerHubGrpc final : public pippy::WorkerHub::Service {

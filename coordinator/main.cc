@@ -51,6 +51,18 @@ int main(int argc, char** argv) {
   app.add_option("--tls-client-ca", tls_files.client_ca,
                  "mTLS for workers: WorkerHub accepts only clients whose certificate this CA signed (PEM)")
       ->check(CLI::ExistingFile);
+  int64_t max_model_mib = 0, max_data_mib = 0;
+  int max_streams = 0, max_queued = 0;
+  app.add_option("--max-model-mib", max_model_mib, "refuse submitted models larger than this (0: no limit)")
+      ->check(cli::NonNegative())->capture_default_str();
+  app.add_option("--max-data-mib", max_data_mib, "refuse submitted data files larger than this (0: no limit)")
+      ->check(cli::NonNegative())->capture_default_str();
+  app.add_option("--max-concurrent-streams", max_streams,
+                 "uploads (SubmitJob) and downloads (FetchModel) served at once; more are refused (0: no limit)")
+      ->check(cli::NonNegative())->capture_default_str();
+  app.add_option("--max-queued-jobs-per-user", max_queued,
+                 "jobs one user may have waiting for workers at once (0: no limit)")
+      ->check(cli::NonNegative())->capture_default_str();
   std::string auth_token_file;
   app.add_option("--auth-token-file", auth_token_file,
                  "user tokens, one \"NAME TOKEN\" per line: every Coordinator call then needs \"authorization: "
@@ -70,6 +82,7 @@ int main(int argc, char** argv) {
   coordinator::Coordinator::Options opts;
   opts.state_dir = state_dir;
   opts.heartbeat_timeout = absl::Seconds(heartbeat_timeout_s);
+  opts.max_queued_per_user = max_queued;
   auto logic = coordinator::Coordinator::Create(opts);
   if (!logic.ok()) return cli::Fail(kProgram, logic.status());
   std::unique_ptr<metrics::Server> metrics_server;
@@ -87,7 +100,11 @@ int main(int argc, char** argv) {
     auth = std::move(*loaded);
     log::Info("user tokens: {} user(s) from {}", auth->users(), auth_token_file);
   }
-  coordinator::CoordinatorGrpc api(logic->get(), auth.get());
+  coordinator::Limits limits;
+  limits.max_model_bytes = max_model_mib << 20;
+  limits.max_data_bytes = max_data_mib << 20;
+  limits.max_concurrent_streams = max_streams;
+  coordinator::CoordinatorGrpc api(logic->get(), auth.get(), limits);
   auto credentials = tls::ServerCredentials(tls_files);
   if (!credentials.ok()) return cli::Fail(kProgram, credentials.status());
   coordinator::WorkerHubGrpc hub(logic->get(), /*require_client_cert=*/!tls_files.client_ca.empty());

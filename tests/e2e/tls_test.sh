@@ -78,7 +78,7 @@ fi
 printf '# users\nalice %s\nbob %s\n' "alice-token-0123456789abcdef" "bob-token-0123456789abcdef" > "$TMP/tokens"
 echo "bob-token-0123456789abcdef" > "$TMP/bob.token"
 "$COORD" --bind 127.0.0.1 --port 0 --port-file "$TMP/port2" --state-dir "$TMP/state2" --auth-token-file "$TMP/tokens" \
-  > "$TMP/coordinator2.log" 2>&1 &
+  --max-model-mib 1 --max-queued-jobs-per-user 1 > "$TMP/coordinator2.log" 2>&1 &
 pids+=($!)
 for _ in $(seq 100); do [ -s "$TMP/port2" ] && break; sleep 0.1; done
 ADDR2="127.0.0.1:$(cat "$TMP/port2")"
@@ -96,6 +96,21 @@ job=$("$PIPPYCTL" --coordinator "$ADDR2" --token-file "$TMP/bob.token" submit "$
         --stages 2 --schedule 1f1b --microbatches 4 --batch-size 16 --steps 3 --loss mse --optimizer sgd 2> "$TMP/bob.err")
 owner=$("$PIPPYCTL" --coordinator "$ADDR2" --token-file "$TMP/bob.token" status "$job" --output json |
         /usr/bin/python3 -c "import json,sys; print(json.load(sys.stdin).get('user'))")
+# Limits: bob's second waiting job, and a 2 MB model over --max-model-mib 1.
+"$PIPPYCTL" --coordinator "$ADDR2" --token-file "$TMP/bob.token" submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" \
+  --stages 2 --schedule 1f1b --microbatches 4 --batch-size 16 --steps 3 --loss mse --optimizer sgd > "$TMP/second.out" 2>&1
+rc_second=$?
+/usr/bin/python3 -c "import torch; torch.manual_seed(0); torch.jit.script(torch.nn.Sequential(torch.nn.Linear(800, 800))).save('$TMP/big.pt')"
+PIPPY_TOKEN=alice-token-0123456789abcdef "$PIPPYCTL" --coordinator "$ADDR2" submit "$TMP/big.pt" --synthetic \
+  "inputs=float32[16,800];targets=float32[16,800]" --stages 1 --schedule 1f1b --microbatches 4 --batch-size 16 \
+  --loss mse --optimizer sgd > "$TMP/big.out" 2>&1
+rc_big=$?
+if [ "$rc_second" != 0 ] && grep -q "bob has 1 jobs waiting.*--max-queued-jobs-per-user" "$TMP/second.out" &&
+   [ "$rc_big" != 0 ] && grep -q "model: larger than the coordinator's limit of 1 MiB (--max-model-mib raises it)" "$TMP/big.out"; then
+  ok "limits: $(tail -1 "$TMP/second.out" | cut -c1-90); $(tail -1 "$TMP/big.out" | cut -c1-90)"
+else
+  bad "limits: second job exit $rc_second ($(cat "$TMP/second.out")), big model exit $rc_big ($(cat "$TMP/big.out"))"
+fi
 PIPPY_TOKEN=alice-token-0123456789abcdef "$PIPPYCTL" --coordinator "$ADDR2" cancel "$job" > "$TMP/alice.out" 2>&1
 rc_alice=$?
 "$PIPPYCTL" --coordinator "$ADDR2" --token-file "$TMP/bob.token" cancel "$job" > "$TMP/bobcancel.out" 2>&1
