@@ -5,6 +5,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
 
 namespace pippy::tls {
 namespace {
@@ -35,17 +36,14 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(const
   }
   grpc::SslServerCredentialsOptions o;
   grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
-  auto cert = ReadPem(f.cert, "--tls-cert");
-  if (!cert.ok()) return cert.status();
-  auto key = ReadPem(f.key, "--tls-key");
-  if (!key.ok()) return key.status();
-  pair.cert_chain = *cert;
-  pair.private_key = *key;
+  PIPPY_ASSIGN_OR_RETURN(std::string cert, ReadPem(f.cert, "--tls-cert"));
+  PIPPY_ASSIGN_OR_RETURN(std::string key, ReadPem(f.key, "--tls-key"));
+  pair.cert_chain = cert;
+  pair.private_key = key;
   o.pem_key_cert_pairs.push_back(pair);
   if (!f.client_ca.empty()) {
-    auto ca = ReadPem(f.client_ca, "--tls-client-ca");
-    if (!ca.ok()) return ca.status();
-    o.pem_root_certs = *ca;
+    PIPPY_ASSIGN_OR_RETURN(std::string ca, ReadPem(f.client_ca, "--tls-client-ca"));
+    o.pem_root_certs = ca;
     // Clients may come without a certificate (users); one that is presented must be
     // valid, and WorkerHub requires one (grpc_service.h).
     o.client_certificate_request = GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY;
@@ -62,16 +60,13 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(con
   }
   if (f.cert.empty() != f.key.empty()) return absl::InvalidArgumentError("--tls-cert and --tls-key go together");
   grpc::SslCredentialsOptions o;
-  auto ca = ReadPem(f.ca, "--tls-ca");
-  if (!ca.ok()) return ca.status();
-  o.pem_root_certs = *ca;
+  PIPPY_ASSIGN_OR_RETURN(std::string ca, ReadPem(f.ca, "--tls-ca"));
+  o.pem_root_certs = ca;
   if (!f.cert.empty()) {
-    auto cert = ReadPem(f.cert, "--tls-cert");
-    if (!cert.ok()) return cert.status();
-    auto key = ReadPem(f.key, "--tls-key");
-    if (!key.ok()) return key.status();
-    o.pem_cert_chain = *cert;
-    o.pem_private_key = *key;
+    PIPPY_ASSIGN_OR_RETURN(std::string cert, ReadPem(f.cert, "--tls-cert"));
+    PIPPY_ASSIGN_OR_RETURN(std::string key, ReadPem(f.key, "--tls-key"));
+    o.pem_cert_chain = cert;
+    o.pem_private_key = key;
   }
   return grpc::SslCredentials(o);
 }

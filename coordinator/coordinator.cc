@@ -1,6 +1,7 @@
 #include "coordinator/coordinator.h"
 
 #include <algorithm>
+#include <optional>
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
@@ -702,79 +703,62 @@ void Coordinator::SendRank(const RankSend& send, const StageWriter& writer, std:
   if (!send.channel->Send(send.assignment)) return;  // the worker is gone; RemoveWorker fails the job
   const auto start = absl::Now();
   int64_t sent = 0;
-  const absl::Status gone = absl::UnavailableError("the worker's stream closed");
-  const absl::Status stopped = absl::CancelledError("the job ended");
-  for (int stage : send.stages) {
-    // Chunks of options_.chunk_bytes; the last one (possibly short) says so.
+  using Sink = std::function<absl::Status(absl::string_view)>;
+  // Streams what `source` writes as chunk messages of options_.chunk_bytes (the last,
+  // possibly short, says so) that `chunk_of` picks in a message; a failure other than
+  // the job ending or the worker going fails the attempt, naming `what`. Returns the
+  // bytes sent, or nothing when it stopped.
+  auto stream = [&](const auto& chunk_of, const std::function<absl::Status(const Sink&)>& source,
+                    const std::string& what) -> std::optional<int64_t> {
     Chunker chunker(options_.chunk_bytes, [&](std::string chunk, bool last) -> absl::Status {
-      if (send.stop->load()) return stopped;
+      if (send.stop->load()) return absl::CancelledError("the job ended");
       CoordinatorMessage m;
-      StageChunk* c = m.mutable_stage();
-      c->set_attempt(attempt);
+      auto* c = chunk_of(&m);
       c->set_job_id(job_id);
-      c->set_stage(stage);
+      c->set_attempt(attempt);
       c->set_chunk(std::move(chunk));
       c->set_last_chunk(last);
-      return send.channel->Send(m) ? absl::OkStatus() : gone;
+      return send.channel->Send(m) ? absl::OkStatus() : absl::UnavailableError("the worker's stream closed");
     });
-    absl::Status s = writer(stage, [&](absl::string_view piece) { return chunker.Append(piece); });
+    absl::Status s = source([&](absl::string_view piece) { return chunker.Append(piece); });
     if (s.ok()) s = chunker.Finish();
     if (!s.ok()) {
       if (!absl::IsCancelled(s) && !absl::IsUnavailable(s)) {
-        FailAttempt(job_id, attempt, absl::StrCat("cannot send stage ", stage, " to rank ", rank, ": ", s.message()));
+        FailAttempt(job_id, attempt, absl::StrCat("cannot send ", what, ": ", s.message()));
       }
-      return;
+      return std::nullopt;
     }
-    const int64_t bytes = static_cast<int64_t>(chunker.total());
-    (*stage_bytes)[stage] = bytes;
-    sent += bytes;
+    return static_cast<int64_t>(chunker.total());
+  };
+  for (int stage : send.stages) {
+    std::optional<int64_t> bytes = stream(
+        [stage](CoordinatorMessage* m) {
+          m->mutable_stage()->set_stage(stage);
+          return m->mutable_stage();
+        },
+        [&](const Sink& sink) { return writer(stage, sink); }, absl::StrCat("stage ", stage, " to rank ", rank));
+    if (!bytes) return;
+    (*stage_bytes)[stage] = *bytes;
+    sent += *bytes;
   }
   // The data share (a missing file: a rank that needs none, one empty last chunk).
-  Chunker data(options_.chunk_bytes, [&](std::string chunk, bool last) -> absl::Status {
-    if (send.stop->load()) return stopped;
-    CoordinatorMessage m;
-    DataChunk* c = m.mutable_data();
-      c->set_attempt(attempt);
-    c->set_job_id(job_id);
-    c->set_chunk(std::move(chunk));
-    c->set_last_chunk(last);
-    return send.channel->Send(m) ? absl::OkStatus() : gone;
-  });
-  absl::Status s;
-  if (ArtifactStore::FileSize(send.share_file) > 0) {
-    s = ArtifactStore::StreamFile(send.share_file, options_.chunk_bytes,
-                                  [&](absl::string_view piece) { return data.Append(piece); });
-  }
-  if (s.ok()) s = data.Finish();
-  if (!s.ok()) {
-    if (!absl::IsCancelled(s) && !absl::IsUnavailable(s)) {
-      FailAttempt(job_id, attempt, absl::StrCat("cannot send rank ", rank, " its data: ", s.message()));
-    }
-    return;
-  }
-  sent += static_cast<int64_t>(data.total());
+  std::optional<int64_t> data = stream(
+      [](CoordinatorMessage* m) { return m->mutable_data(); },
+      [&](const Sink& sink) {
+        return ArtifactStore::FileSize(send.share_file) > 0
+                   ? ArtifactStore::StreamFile(send.share_file, options_.chunk_bytes, sink)
+                   : absl::OkStatus();
+      },
+      absl::StrCat("rank ", rank, " its data"));
+  if (!data) return;
+  sent += *data;
   if (!send.state_file.empty()) {
-    Chunker state(options_.chunk_bytes, [&](std::string chunk, bool last) -> absl::Status {
-      if (send.stop->load()) return stopped;
-      CoordinatorMessage m;
-      StateChunk* c = m.mutable_state();
-      c->set_attempt(attempt);
-      c->set_job_id(job_id);
-      c->set_chunk(std::move(chunk));
-      c->set_last_chunk(last);
-      return send.channel->Send(m) ? absl::OkStatus() : gone;
-    });
-    s = ArtifactStore::StreamFile(send.state_file, options_.chunk_bytes,
-                                  [&](absl::string_view piece) { return state.Append(piece); });
-    if (s.ok()) s = state.Finish();
-    if (!s.ok()) {
-      if (!absl::IsCancelled(s) && !absl::IsUnavailable(s)) {
-        FailAttempt(job_id, attempt,
-                    absl::StrCat("cannot send rank ", rank, " its training state: ", s.message()));
-      }
-      return;
-    }
-    sent += static_cast<int64_t>(state.total());
+    std::optional<int64_t> state = stream(
+        [](CoordinatorMessage* m) { return m->mutable_state(); },
+        [&](const Sink& sink) { return ArtifactStore::StreamFile(send.state_file, options_.chunk_bytes, sink); },
+        absl::StrCat("rank ", rank, " its training state"));
+    if (!state) return;
+    sent += *state;
   }
   log::Info("job={} rank={} sent {} bytes (stages and data share) in {}", job_id, rank, sent,
             absl::FormatDuration(absl::Now() - start));

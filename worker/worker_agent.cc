@@ -294,38 +294,18 @@ class Agent {
                     ? absl::StrCat("; restart ", m.assignment().attempt(), " from step ", m.assignment().start_step())
                     : "");
     } else if (m.has_stage()) {
-      if (!receiving_ || m.stage().job_id() != incoming_.assignment.job_id() ||
-          m.stage().attempt() != incoming_.assignment.attempt()) {
-        return;  // a cancelled transfer
-      }
+      if (!Arriving(m.stage())) return;  // a cancelled transfer
       auto it = incoming_.stages.find(m.stage().stage());
       if (it == incoming_.stages.end()) {
         FailTransfer(absl::InternalError(absl::StrCat("the coordinator sent stage ", m.stage().stage(),
                                                       ", which is not this rank's")));
         return;
       }
-      it->second += m.stage().chunk();
-      incoming_.bytes_received += static_cast<int64_t>(m.stage().chunk().size());
-      if (m.stage().last_chunk()) incoming_.stage_done[m.stage().stage()] = true;
-      StartIfComplete();
+      Receive(m.stage(), &it->second, &incoming_.stage_done[m.stage().stage()]);
     } else if (m.has_data()) {
-      if (!receiving_ || m.data().job_id() != incoming_.assignment.job_id() ||
-          m.data().attempt() != incoming_.assignment.attempt()) {
-        return;
-      }
-      incoming_.data += m.data().chunk();
-      incoming_.bytes_received += static_cast<int64_t>(m.data().chunk().size());
-      if (m.data().last_chunk()) incoming_.data_done = true;
-      StartIfComplete();
+      if (Arriving(m.data())) Receive(m.data(), &incoming_.data, &incoming_.data_done);
     } else if (m.has_state()) {
-      if (!receiving_ || m.state().job_id() != incoming_.assignment.job_id() ||
-          m.state().attempt() != incoming_.assignment.attempt()) {
-        return;
-      }
-      incoming_.state += m.state().chunk();
-      incoming_.bytes_received += static_cast<int64_t>(m.state().chunk().size());
-      if (m.state().last_chunk()) incoming_.state_done = true;
-      StartIfComplete();
+      if (Arriving(m.state())) Receive(m.state(), &incoming_.state, &incoming_.state_done);
     } else if (m.has_peers()) {
       absl::MutexLock lock(&mu_);
       if (m.peers().job_id() != job_id_ || m.peers().attempt() != attempt_) return;
@@ -348,6 +328,22 @@ class Agent {
       }
       CancelRunningJob();
     }
+  }
+
+  // Whether a file chunk (StageChunk, DataChunk, StateChunk) belongs to the assignment
+  // being received; chunks of a cancelled transfer or an earlier attempt do not.
+  template <typename Chunk>
+  bool Arriving(const Chunk& c) const {
+    return receiving_ && c.job_id() == incoming_.assignment.job_id() && c.attempt() == incoming_.assignment.attempt();
+  }
+  // Appends the chunk to `into`; its last chunk marks `done`, and the rank starts once
+  // everything has arrived.
+  template <typename Chunk>
+  void Receive(const Chunk& c, std::string* into, bool* done) {
+    *into += c.chunk();
+    incoming_.bytes_received += static_cast<int64_t>(c.chunk().size());
+    if (c.last_chunk()) *done = true;
+    StartIfComplete();
   }
 
   void StartIfComplete() {
@@ -399,21 +395,39 @@ class Agent {
     Finished(a, s);
   }
 
-  // Streams `module` (a trained stage) to the coordinator in chunks as it is written.
-  absl::Status SendStage(const Assignment& a, int stage, const torch::jit::Module& module) {
+  using Sink = std::function<absl::Status(absl::string_view)>;
+
+  // Streams what `source` writes to the coordinator in chunk messages of kResultChunk
+  // (the last says so) that `chunk_of` picks in a message, for assignment `a`; `what`
+  // names them when the stream breaks. Returns the bytes sent.
+  template <typename ChunkOf>
+  absl::StatusOr<int64_t> Stream(const Assignment& a, const ChunkOf& chunk_of,
+                                 const std::function<absl::Status(const Sink&)>& source, const char* what) {
     Chunker chunker(kResultChunk, [&](std::string chunk, bool last) -> absl::Status {
       WorkerMessage m;
-      StageResult* r = m.mutable_stage_result();
-      r->set_job_id(a.job_id());
-      r->set_attempt(a.attempt());
-      r->set_stage(stage);
-      r->set_chunk(std::move(chunk));
-      r->set_last_chunk(last);
-      if (!Write(m)) return absl::UnavailableError("the stream to the coordinator broke while sending results");
+      auto* c = chunk_of(&m);
+      c->set_job_id(a.job_id());
+      c->set_attempt(a.attempt());
+      c->set_chunk(std::move(chunk));
+      c->set_last_chunk(last);
+      if (!Write(m)) return absl::UnavailableError(absl::StrCat("the stream to the coordinator broke while sending ", what));
       return absl::OkStatus();
     });
-    PIPPY_RETURN_IF_ERROR(partition::WriteModule(module, [&](absl::string_view piece) { return chunker.Append(piece); }));
-    return chunker.Finish();
+    PIPPY_RETURN_IF_ERROR(source([&](absl::string_view piece) { return chunker.Append(piece); }));
+    PIPPY_RETURN_IF_ERROR(chunker.Finish());
+    return static_cast<int64_t>(chunker.total());
+  }
+
+  // Streams `module` (a trained stage) to the coordinator in chunks as it is written.
+  absl::Status SendStage(const Assignment& a, int stage, const torch::jit::Module& module) {
+    auto sent = Stream(
+        a,
+        [stage](WorkerMessage* m) {
+          m->mutable_stage_result()->set_stage(stage);
+          return m->mutable_stage_result();
+        },
+        [&](const Sink& sink) { return partition::WriteModule(module, sink); }, "results");
+    return sent.status();
   }
 
   // A checkpoint after `step` steps: each stage's TorchScript (its trained parameters
@@ -422,44 +436,39 @@ class Agent {
   absl::Status SendCheckpoint(const Assignment& a, int step, job::RankJob& rank_job) {
     const auto start = absl::Now();
     int64_t bytes = 0;
-    auto sender = [&](int stage) {
-      return [&, stage](std::string chunk, bool last) -> absl::Status {
-        WorkerMessage m;
-        CheckpointChunk* c = m.mutable_checkpoint();
-        c->set_job_id(a.job_id());
-        c->set_attempt(a.attempt());
+    int chunks = 0;
+    auto piece = [&](int stage) {
+      return [&, stage](WorkerMessage* m) {
+        // Called once per chunk, before it is written: the test's fault strikes once the
+        // first chunk went (a checkpoint is at least a stage and a state: 2 chunks).
+        if (chunks++ == 1) MaybeDieInCheckpoint(step);
+        CheckpointChunk* c = m->mutable_checkpoint();
         c->set_step(step);
         c->set_rank(a.rank());
         c->set_replica(a.replica());
         c->set_stage(stage);
-        bytes += static_cast<int64_t>(chunk.size());
-        c->set_chunk(std::move(chunk));
-        c->set_last_chunk(last);
-        if (!Write(m)) return absl::UnavailableError("the stream to the coordinator broke while sending a checkpoint");
-        MaybeDieInCheckpoint(step);
-        return absl::OkStatus();
+        return c;
       };
     };
     // The replicas hold the same parameters: replica 0 sends the stages, every replica
     // its training state (its own random generator).
     for (const auto& [s, module] : rank_job.stages()) {
       if (a.replica() != 0) break;
-      Chunker chunker(kResultChunk, sender(s));
-      PIPPY_RETURN_IF_ERROR(
-          partition::WriteModule(module, [&](absl::string_view piece) { return chunker.Append(piece); }));
-      PIPPY_RETURN_IF_ERROR(chunker.Finish());
+      PIPPY_ASSIGN_OR_RETURN(
+          int64_t n, Stream(a, piece(s), [&](const Sink& sink) { return partition::WriteModule(module, sink); },
+                            "a checkpoint"));
+      bytes += n;
     }
     PIPPY_ASSIGN_OR_RETURN(std::string state, rank_job.SaveState());
-    Chunker chunker(kResultChunk, sender(-1));
-    PIPPY_RETURN_IF_ERROR(chunker.Append(state));
-    PIPPY_RETURN_IF_ERROR(chunker.Finish());
+    PIPPY_ASSIGN_OR_RETURN(int64_t n, Stream(a, piece(-1), [&](const Sink& sink) { return sink(state); }, "a checkpoint"));
+    bytes += n;
     log::Info("job={} rank={} checkpoint after step {}: {} bytes in {}", a.job_id(), a.rank(), step, bytes,
               absl::FormatDuration(absl::Now() - start));
     return absl::OkStatus();
   }
 
   // A test's fault: PIPPY_TEST_DIE_IN_CHECKPOINT=N makes this process SIGKILL itself
-  // after sending the first piece of its checkpoint after step N (a worker lost in the
+  // after sending the first chunk of its checkpoint after step N (a worker lost in the
   // middle of a checkpoint).
   static void MaybeDieInCheckpoint(int step) {
     static const int die_at = [] {
@@ -476,18 +485,10 @@ class Agent {
   absl::Status SendOutputs(const Assignment& a, const std::vector<c10::IValue>& outputs) {
     PIPPY_ASSIGN_OR_RETURN(c10::IValue merged, stage::MergeMicrobatches(outputs));
     std::vector<char> bytes = torch::jit::pickle_save(merged);
-    Chunker chunker(kResultChunk, [&](std::string chunk, bool last) -> absl::Status {
-      WorkerMessage m;
-      InferenceOutput* o = m.mutable_output();
-      o->set_job_id(a.job_id());
-      o->set_attempt(a.attempt());
-      o->set_chunk(std::move(chunk));
-      o->set_last_chunk(last);
-      if (!Write(m)) return absl::UnavailableError("the stream to the coordinator broke while sending outputs");
-      return absl::OkStatus();
-    });
-    PIPPY_RETURN_IF_ERROR(chunker.Append(absl::string_view(bytes.data(), bytes.size())));
-    return chunker.Finish();
+    auto sent = Stream(
+        a, [](WorkerMessage* m) { return m->mutable_output(); },
+        [&](const Sink& sink) { return sink(absl::string_view(bytes.data(), bytes.size())); }, "outputs");
+    return sent.status();
   }
 
   absl::Status RunRank(Incoming in) {

@@ -10,24 +10,11 @@
 #include "ATen/ATen.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/status.h"
+#include "pipeline/transport/nccl/cuda_status.h"
 
 namespace pippy::transport::nccl {
 namespace {
-
-#define PIPPY_NCCL_RETURN(expr)     \
-  do {                              \
-    absl::Status _s = (expr);       \
-    if (!_s.ok()) return _s;        \
-  } while (0)
-
-absl::Status CudaStatus(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  return absl::UnavailableError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
-}
-absl::Status NcclStatus(ncclResult_t r, const char* what) {
-  if (r == ncclSuccess) return absl::OkStatus();
-  return absl::UnavailableError(absl::StrCat(what, ": ", ncclGetErrorString(r)));
-}
 
 class NcclGroup : public ReplicaGroup {
  public:
@@ -65,13 +52,13 @@ class NcclGroup : public ReplicaGroup {
       return absl::InvalidArgumentError(absl::StrCat("the tensor is on cuda:", flat.device().index(),
                                                      ", the replica group on cuda:", options_.device));
     }
-    PIPPY_NCCL_RETURN(CudaStatus(cudaSetDevice(options_.device), "cudaSetDevice"));
+    PIPPY_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(options_.device), "cudaSetDevice"));
     at::Tensor work = on_cpu ? flat.to(at::Device(at::kCUDA, options_.device)) : flat;
     // The group's stream starts after what the device's current (compute) stream queued.
-    PIPPY_NCCL_RETURN(CudaStatus(cudaEventRecord(ready_, nullptr), "cudaEventRecord"));
-    PIPPY_NCCL_RETURN(CudaStatus(cudaStreamWaitEvent(stream_, ready_, 0), "cudaStreamWaitEvent"));
+    PIPPY_RETURN_IF_ERROR(CudaStatus(cudaEventRecord(ready_, nullptr), "cudaEventRecord"));
+    PIPPY_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(stream_, ready_, 0), "cudaStreamWaitEvent"));
     float* p = work.data_ptr<float>();
-    PIPPY_NCCL_RETURN(NcclStatus(ncclAllReduce(p, p, static_cast<size_t>(work.numel()), ncclFloat, ncclSum, comm_,
+    PIPPY_RETURN_IF_ERROR(NcclStatus(ncclAllReduce(p, p, static_cast<size_t>(work.numel()), ncclFloat, ncclSum, comm_,
                                                stream_),
                                  "ncclAllReduce"));
     // Wait with a deadline: NCCL never gives up on a dead peer by itself.

@@ -12,21 +12,13 @@
 #include "ATen/ATen.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/status.h"
 #include "pipeline/transport/completion.h"
+#include "pipeline/transport/nccl/cuda_status.h"
 #include "pipeline/transport/wire_format.h"
 
 namespace pippy::transport::nccl {
 namespace {
-
-// Foreign errors become Status here, once.
-absl::Status CudaStatus(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  return absl::UnavailableError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
-}
-absl::Status NcclStatus(ncclResult_t r, const char* what) {
-  if (r == ncclSuccess) return absl::OkStatus();
-  return absl::UnavailableError(absl::StrCat(what, ": ", ncclGetErrorString(r)));
-}
 
 // Headers travel in fixed-size slots: NCCL needs matching sizes on both sides.
 constexpr size_t kSlot = 16 * 1024;
