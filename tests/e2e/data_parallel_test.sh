@@ -14,17 +14,7 @@ ZOO="$PWD/examples/models/zoo"
 CHECK="$PWD/tests/python/check_training.py"
 TMP="${TEST_TMPDIR:-$(mktemp -d)}/dp"
 rm -rf "$TMP" && mkdir -p "$TMP"
-passed=0
-failed=0
-pids=()
-ok() { echo "ok   $1"; passed=$((passed + 1)); }
-bad() { echo "FAIL $1"; failed=$((failed + 1)); }
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
-  sleep 0.5
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
-}
-trap cleanup EXIT
+source "$PWD/tests/e2e/testlib.sh"
 
 "$COORD" --bind 127.0.0.1 --port 0 --port-file "$TMP/port" --state-dir "$TMP/state" --heartbeat-timeout-s 3 \
   > "$TMP/coordinator.log" 2>&1 &
@@ -117,5 +107,4 @@ else
   bad "resume: $state $(json_get "$job" "j.get('reason'), j.get('history')")"
 fi
 
-echo "$passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+finish

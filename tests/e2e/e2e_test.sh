@@ -11,19 +11,8 @@ ZOO="$PWD/examples/models/zoo"
 CHECK="$PWD/tests/python/check_training.py"
 TMP="${TEST_TMPDIR:-$(mktemp -d)}/e2e"
 rm -rf "$TMP" && mkdir -p "$TMP"
-passed=0
-failed=0
-pids=()
-ok() { echo "ok   $1"; passed=$((passed + 1)); }
-bad() { echo "FAIL $1"; failed=$((failed + 1)); }
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
-  sleep 0.5
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
-}
-trap cleanup EXIT
+source "$PWD/tests/e2e/testlib.sh"
 
-free_port() { /usr/bin/python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
 METRICS_PORT=$(free_port)
 WORKER_METRICS_PORT=$(free_port)
 "$COORD" --bind 127.0.0.1 --port 0 --port-file "$TMP/port" --state-dir "$TMP/state" --heartbeat-timeout-s 3 \
@@ -335,5 +324,4 @@ ADDR="127.0.0.1:$(cat "$TMP/port2")"
 count=$(ctl list --output json | /usr/bin/python3 -c "import json,sys; print(len(json.load(sys.stdin).get('jobs', [])))")
 [ "$count" -ge 6 ] && ok "ListJobs after a restart shows the $count earlier jobs" || bad "jobs after restart: $count"
 
-echo "$passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+finish

@@ -16,17 +16,7 @@ COORD="$PWD/coordinator/pippy-coordinator"
 WORKER="$PWD/worker/pippy-worker"
 TMP="${TEST_TMPDIR:-$(mktemp -d)}/ft"
 rm -rf "$TMP" && mkdir -p "$TMP"
-passed=0
-failed=0
-pids=()
-ok() { echo "ok   $1"; passed=$((passed + 1)); }
-bad() { echo "FAIL $1"; failed=$((failed + 1)); }
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
-  sleep 0.5
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
-}
-trap cleanup EXIT
+source "$PWD/tests/e2e/testlib.sh"
 
 start_coordinator() {  # PORT (0: any)
   rm -f "$TMP/port"
@@ -227,5 +217,4 @@ ctl watch "$job" > /dev/null 2>&1
 reason=$(json_get "$job" "j['state'], j.get('reason')")
 [[ "$reason" == *FAILED*"--max-restarts"* ]] && ok "--max-restarts 0: $reason" || bad "max restarts: $reason"
 
-echo "$passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+finish

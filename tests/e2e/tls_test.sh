@@ -11,17 +11,7 @@ WORKER="$PWD/worker/pippy-worker"
 ZOO="$PWD/examples/models/zoo"
 TMP="${TEST_TMPDIR:-$(mktemp -d)}/tls"
 rm -rf "$TMP" && mkdir -p "$TMP"
-passed=0
-failed=0
-pids=()
-ok() { echo "ok   $1"; passed=$((passed + 1)); }
-bad() { echo "FAIL $1"; failed=$((failed + 1)); }
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
-  sleep 0.3
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
-}
-trap cleanup EXIT
+source "$PWD/tests/e2e/testlib.sh"
 
 scripts/make-dev-certs "$TMP/certs" > /dev/null || { echo "FAIL make-dev-certs"; exit 1; }
 C="$TMP/certs"
@@ -124,5 +114,4 @@ fi
 grep -q "token-0123456789abcdef\|not-a-known-token" "$TMP/coordinator2.log" && bad "the log holds a token" ||
   ok "the coordinator's log names refused peers but holds no token"
 
-echo "$passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+finish

@@ -1,0 +1,20 @@
+# Sourced by the end-to-end shell tests: pass/fail counting, the processes a test
+# starts (each appended to `pids`, each stopped by its own pid when the test exits:
+# SIGTERM, then SIGKILL half a second later), free ports, and the summary line whose
+# status is the test's.
+passed=0
+failed=0
+pids=()
+ok() { echo "ok   $1"; passed=$((passed + 1)); }
+bad() { echo "FAIL $1"; failed=$((failed + 1)); }
+stop_started() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
+  sleep 0.5
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
+}
+trap stop_started EXIT
+free_port() { /usr/bin/python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
+finish() {
+  echo "$passed passed, $failed failed"
+  [ "$failed" -eq 0 ]
+}
