@@ -97,7 +97,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const std::string& host, i
   });
   const int bound = port == 0 ? s->impl_->http.bind_to_any_port(host) : (s->impl_->http.bind_to_port(host, port) ? port : -1);
   if (bound <= 0) {
-    return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", host, ":", port, " (in use?)"));
+    return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", host, ":", port,
+                                                   " (in use? choose another --metrics-port, or 0 for any free one)"));
   }
   s->port_ = bound;
   Impl* impl = s->impl_.get();

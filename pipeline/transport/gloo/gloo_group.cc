@@ -77,7 +77,8 @@ absl::StatusOr<std::unique_ptr<GlooGroup>> GlooGroup::Create(int index, int size
       g->address_.append(bytes.data(), bytes.size());
     }
   } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat("cannot open gloo endpoints on ", hostname, ": ", e.what()));
+    return absl::UnavailableError(absl::StrCat("cannot open gloo endpoints on ", hostname, ": ", e.what(),
+                                               " (pippy-worker --replica-host: an address of this host)"));
   }
   return g;
 }
@@ -110,7 +111,8 @@ absl::Status GlooGroup::Connect(const std::vector<std::string>& addresses) {
     state_->context->setTimeout(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
     state_->context->Attach(state_->device, state_->transport);
   } catch (const std::exception& e) {
-    return FromGloo(e, absl::StrCat("replica ", index_, " connecting to its ", size_ - 1, " peer replica(s)"));
+    return FromGloo(e, absl::StrCat("replica ", index_, " connecting to its ", size_ - 1,
+                                     " peer replica(s) (can the workers reach each other at their --replica-host?)"));
   }
   connected_ = true;
   return absl::OkStatus();
