@@ -452,11 +452,11 @@ class Agent {
     };
     // The replicas hold the same parameters: replica 0 sends the stages, every replica
     // its training state (its own random generator).
-    for (const auto& [s, module] : rank_job.stages()) {
+    for (const auto& stage : rank_job.stages()) {  // not a structured binding: the lambda captures it
       if (a.replica() != 0) break;
-      PIPPY_ASSIGN_OR_RETURN(
-          int64_t n, Stream(a, piece(s), [&](const Sink& sink) { return partition::WriteModule(module, sink); },
-                            "a checkpoint"));
+      const torch::jit::Module& module = stage.second;
+      auto write = [&](const Sink& sink) { return partition::WriteModule(module, sink); };
+      PIPPY_ASSIGN_OR_RETURN(int64_t n, Stream(a, piece(stage.first), write, "a checkpoint"));
       bytes += n;
     }
     PIPPY_ASSIGN_OR_RETURN(std::string state, rank_job.SaveState());
