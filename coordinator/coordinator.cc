@@ -183,7 +183,7 @@ absl::StatusOr<std::string> Coordinator::SubmitJob(const JobSpec& spec, std::uni
   }
   absl::Status slot = AcquireModelSlot();
   if (!slot.ok()) return slot;
-  absl::StatusOr<PreparedJob> prepared = PrepareJob(spec, upload->dir());
+  absl::StatusOr<PreparedJob> prepared = PrepareJob(spec, upload->dir(), {options_.model_checker, options_.model_check_timeout});
   if (!prepared.ok()) {
     ReleaseModelSlot();
     return prepared.status();

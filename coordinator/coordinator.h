@@ -83,6 +83,10 @@ class Coordinator {
     size_t chunk_bytes = 1 << 20;  // pieces of the files streamed to workers
     // Jobs a user may have waiting (QUEUED, or being prepared and staged) at once; 0: no limit.
     int max_queued_per_user = 0;
+    // Submitted models are loaded in this pippy-coordinator binary (--check-model) first;
+    // empty: only in this process. See model_check.h.
+    std::string model_checker;
+    absl::Duration model_check_timeout = absl::Minutes(5);
   };
 
   // Errors: UNAVAILABLE when the state directory cannot be opened.

@@ -7,8 +7,10 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "coordinator/model_check.h"
 #include "common/torch_status.h"
 #include "coordinator/artifact_store.h"
 #include "pipeline/job/job_plan.h"
@@ -97,7 +99,8 @@ class StagesInMemory : public PreparedStages {
 
 }  // namespace
 
-absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::string& dir) {
+absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::string& dir,
+                                       const PrepareOptions& options) {
   PreparedJob out;
   out.spec = submitted;
   JobSpec& spec = out.spec;
@@ -108,12 +111,18 @@ absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::stri
   const absl::Time start = absl::Now();
   const std::string model_path = dir + "/model.pt";
   if (ArtifactStore::FileSize(model_path) <= 0) return Bad("model", "empty: send the TorchScript file's bytes");
-  absl::StatusOr<torch::jit::Module> loaded = partition::LoadModel(model_path);
+  absl::Status checked = absl::OkStatus();
+  if (!options.model_checker.empty()) {
+    checked = CheckModelInChild(options.model_checker, model_path, options.model_check_timeout);
+    if (checked.code() == absl::StatusCode::kUnavailable) return checked;
+  }
+  absl::StatusOr<torch::jit::Module> loaded =
+      checked.ok() ? partition::LoadModel(model_path) : absl::StatusOr<torch::jit::Module>(checked);
   if (!loaded.ok()) {
     // Name the model as the user knows it, not by the coordinator's file.
     std::string msg(loaded.status().message());
     const std::string quoted = absl::StrCat("'", model_path, "'");
-    if (auto at = msg.find(quoted); at != std::string::npos) msg.replace(at, quoted.size(), "'model'");
+    msg = absl::StrReplaceAll(msg, {{quoted, "'model'"}});
     return Bad("model", msg);
   }
   torch::jit::Module& model = *loaded;

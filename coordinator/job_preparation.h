@@ -18,6 +18,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "proto/job.pb.h"
 #include "proto/plan.pb.h"
 
@@ -50,7 +51,14 @@ struct PreparedJob {
 // shares are written beside them (see artifact_store.h for names).
 // Errors: INVALID_ARGUMENT whose message starts with the field (spec fields, "model:",
 // "data:", "split:", "schedule:"); UNAVAILABLE when the folder cannot be written.
-absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& spec, const std::string& dir);
+struct PrepareOptions {
+  // A pippy-coordinator binary to load the model in first (model_check.h); empty: the
+  // model is loaded only in this process (tests of the coordinator's logic).
+  std::string model_checker;
+  absl::Duration model_check_timeout = absl::Minutes(5);
+};
+absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& spec, const std::string& dir,
+                                       const PrepareOptions& options = {});
 
 }  // namespace pippy::coordinator
 

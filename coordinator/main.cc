@@ -3,6 +3,7 @@
 #include <csignal>
 #include <cstdio>
 #include <fstream>
+#include <string>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -12,6 +13,7 @@
 #include "common/systemd.h"
 #include "common/tls.h"
 #include "coordinator/grpc_service.h"
+#include "coordinator/model_check.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 
@@ -24,6 +26,8 @@ std::unique_ptr<grpc::Server> g_server;
 
 int main(int argc, char** argv) {
   using namespace pippy;
+  // The child that loads a submitted model first (coordinator/model_check.h).
+  if (argc == 3 && std::string(argv[1]) == coordinator::kCheckModelFlag) return coordinator::RunModelCheck(argv[2]);
   CLI::App app("Splits submitted TorchScript models into pipeline stages, places them on pippy-worker "
                "daemons and follows the jobs (docs/api.md).",
                kProgram);
@@ -69,6 +73,15 @@ int main(int argc, char** argv) {
                  "Bearer TOKEN\" (pippyctl --token-file / PIPPY_TOKEN), and a job can be cancelled only by its "
                  "submitter")
       ->check(CLI::ExistingFile);
+  double model_check_timeout_s = 300;
+  app.add_option("--model-check-timeout-s", model_check_timeout_s,
+                 "a submitted model is loaded in a child process first (LibTorch's loader is not hardened "
+                 "against corrupt archives); one that takes longer is refused")
+      ->check(cli::Positive())->capture_default_str();
+  bool no_model_check = false;
+  app.add_flag("--no-model-check-process", no_model_check,
+               "load submitted models only in the coordinator's own process (a corrupt archive can then crash "
+               "it; for trusted submitters that want to save the second load)");
   int metrics_port = -1;
   app.add_option("--metrics-port", metrics_port,
                  "serve Prometheus metrics at http://BIND:PORT/metrics (0: any free port, printed in the log)")
@@ -83,6 +96,8 @@ int main(int argc, char** argv) {
   opts.state_dir = state_dir;
   opts.heartbeat_timeout = absl::Seconds(heartbeat_timeout_s);
   opts.max_queued_per_user = max_queued;
+  if (!no_model_check) opts.model_checker = "/proc/self/exe";
+  opts.model_check_timeout = absl::Seconds(model_check_timeout_s);
   auto logic = coordinator::Coordinator::Create(opts);
   if (!logic.ok()) return cli::Fail(kProgram, logic.status());
   std::unique_ptr<metrics::Server> metrics_server;

@@ -78,6 +78,11 @@ absl::StatusOr<PipelinePlan> ReadPlan(const std::string& path) {
     return absl::InvalidArgumentError(absl::StrCat("'", path, "' is not a plan written by pippyctl split --out: ",
                                                    s.ToString()));
   }
+  absl::Status valid = job::CheckPlan(plan);
+  if (!valid.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("'", path, "': ", valid.message(),
+                                                   " (write it again with pippyctl split --out)"));
+  }
   return plan;
 }
 

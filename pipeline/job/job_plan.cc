@@ -8,6 +8,61 @@
 
 namespace pippy::job {
 
+absl::Status CheckPlan(const PipelinePlan& plan) {
+  const int n = plan.stages_size();
+  auto bad = [](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat("plan: ", parts...)); };
+  if (n < 1) return bad("no stages");
+  for (int s = 0; s < n; ++s) {
+    const StagePlan& sp = plan.stages(s);
+    if (sp.index() != s) return bad("stages[", s, "].index is ", sp.index(), "; stage k has index k");
+    if (sp.is_last() != (s == n - 1)) {
+      return bad("stages[", s, "].is_last is ", sp.is_last() ? "true" : "false", "; only the last stage is");
+    }
+    for (int i = 0; i < sp.inputs_size(); ++i) {
+      const StageInput& si = sp.inputs(i);
+      switch (si.source_case()) {
+        case StageInput::kModelInput:
+          if (si.model_input() < 0 || si.model_input() >= plan.inputs_size()) {
+            return bad("stages[", s, "].inputs[", i, "].model_input ", si.model_input(), " is not one of the ",
+                       plan.inputs_size(), " model inputs");
+          }
+          break;
+        case StageInput::kSourceStage:
+          if (si.source_stage() < 0 || si.source_stage() >= s) {
+            return bad("stages[", s, "].inputs[", i, "].source_stage ", si.source_stage(),
+                       " is not an earlier stage");
+          }
+          if (si.source_output() < 0 || si.source_output() >= plan.stages(si.source_stage()).outputs_size()) {
+            return bad("stages[", s, "].inputs[", i, "].source_output ", si.source_output(), " is not one of stage ",
+                       si.source_stage(), "'s ", plan.stages(si.source_stage()).outputs_size(), " outputs");
+          }
+          break;
+        default: return bad("stages[", s, "].inputs[", i, "] names neither a model input nor a source stage");
+      }
+    }
+    for (int o = 0; o < sp.outputs_size(); ++o) {
+      for (int c : sp.outputs(o).consumers()) {
+        if (c <= s || c >= n) return bad("stages[", s, "].outputs[", o, "] names consumer ", c, ", not a later stage");
+      }
+    }
+    for (int p = 0; p < sp.parameters_size(); ++p) {
+      const int g = sp.parameters(p).tie_group();
+      if (g < -1 || g >= plan.tied_size()) {
+        return bad("stages[", s, "].parameters[", p, "].tie_group ", g, " is not one of the ", plan.tied_size(),
+                   " tied groups (or -1)");
+      }
+    }
+  }
+  for (int g = 0; g < plan.tied_size(); ++g) {
+    const TiedParameter& tp = plan.tied(g);
+    if (tp.stages_size() == 0) return bad("tied[", g, "] has no stages");
+    for (int s : tp.stages()) {
+      if (s < 0 || s >= n) return bad("tied[", g, "] names stage ", s, " of ", n);
+    }
+  }
+  return absl::OkStatus();
+}
+
 schedule::StageGraph StageGraphOf(const PipelinePlan& plan) {
   schedule::StageGraph g;
   g.consumers.resize(plan.stages_size());

@@ -15,7 +15,16 @@
 
 namespace pippy::job {
 
-// The stage graph (who consumes whose outputs) of a plan.
+// Checks that a plan's cross references hold, as every function here and the runtime
+// assume: at least one stage; stage k has index k; each stage input names a model input
+// that exists or an output of an earlier stage; consumers are later stages; tied groups
+// name stages that exist, with at least one holder; parameters' tie groups exist; the
+// last stage, and only it, is marked last. Plans made by the partitioner pass; a plan
+// read from a file (pippy-rank's plan.json) or received over the network is checked
+// before use. Errors: INVALID_ARGUMENT naming the stage and field.
+absl::Status CheckPlan(const PipelinePlan& plan);
+
+// The stage graph (who consumes whose outputs) of a plan. REQUIRES: CheckPlan passed.
 schedule::StageGraph StageGraphOf(const PipelinePlan& plan);
 
 // Ranks (workers) the job needs: stages / stages per worker.

@@ -1,5 +1,7 @@
 #include "pipeline/job/job_spec.h"
 
+#include <cmath>
+#include <cstdint>
 #include <utility>
 #include <vector>
 
@@ -128,6 +130,10 @@ absl::Status CheckSpec(JobSpec* spec) {
     return Bad("schedule.kind", "inference runs forward only; use mode inference or a training schedule");
   }
   if (sched->microbatches() < 1) return Bad("schedule.microbatches", "must be at least 1");
+  if (sched->microbatches() > kMaxMicrobatches) {
+    return Bad("schedule.microbatches", absl::StrCat("at most ", kMaxMicrobatches, " (a schedule holds an action per "
+                                                     "micro-batch and stage; use larger micro-batches)"));
+  }
   if (sched->stages_per_worker() < 0) return Bad("schedule.stages_per_worker", "must not be negative");
   if (sched->stages_per_worker() == 0) {
     sched->set_stages_per_worker(schedule::DefaultStagesPerRank(EngineSchedule(sched->kind())));
@@ -137,7 +143,7 @@ absl::Status CheckSpec(JobSpec* spec) {
   if (spec->replicas() < 0) return Bad("replicas", "must not be negative");
   if (spec->replicas() == 0) spec->set_replicas(1);
   if (spec->replicas() > 1 && !train) return Bad("replicas", "data parallelism is for training jobs");
-  if (spec->batch_size() % (spec->replicas() * sched->microbatches()) != 0) {
+  if (spec->batch_size() % (int64_t{spec->replicas()} * sched->microbatches()) != 0) {
     return Bad("batch_size", spec->replicas() == 1
                                  ? absl::StrCat(spec->batch_size(), " does not split into ", sched->microbatches(),
                                                 " equal micro-batches")
@@ -156,6 +162,15 @@ absl::Status CheckSpec(JobSpec* spec) {
     OptimizerSpec* o = spec->mutable_optimizer();
     if (o->kind() == OPTIMIZER_UNSPECIFIED) return Bad("optimizer.kind", "missing (sgd, adam or adamw)");
     if (!OptimizerKind_IsValid(o->kind())) return Bad("optimizer.kind", "use sgd, adam or adamw");
+    for (const auto& [field, value] : {std::pair<const char*, double>{"optimizer.lr", o->lr()},
+                                       {"optimizer.momentum", o->momentum()},
+                                       {"optimizer.weight_decay", o->weight_decay()},
+                                       {"optimizer.beta1", o->beta1()},
+                                       {"optimizer.beta2", o->beta2()},
+                                       {"optimizer.eps", o->eps()},
+                                       {"optimizer.clip_grad_norm", o->clip_grad_norm()}}) {
+      if (!std::isfinite(value)) return Bad(field, "must be a finite number");
+    }
     if (!(o->lr() > 0)) return Bad("optimizer.lr", "must be > 0");
     if (o->momentum() < 0) return Bad("optimizer.momentum", "must not be negative");
     if (o->momentum() > 0 && o->kind() != OPTIMIZER_SGD) {
@@ -177,7 +192,9 @@ absl::Status CheckSpec(JobSpec* spec) {
   if (!ft->has_recovery_timeout_s()) ft->set_recovery_timeout_s(kDefaultRecoveryTimeoutS);
   if (ft->checkpoint_every() < 0) return Bad("fault_tolerance.checkpoint_every", "must not be negative (0: none)");
   if (ft->max_restarts() < 0) return Bad("fault_tolerance.max_restarts", "must not be negative (0: no restart)");
-  if (!(ft->recovery_timeout_s() > 0)) return Bad("fault_tolerance.recovery_timeout_s", "must be > 0");
+  if (!(ft->recovery_timeout_s() > 0) || !std::isfinite(ft->recovery_timeout_s())) {
+    return Bad("fault_tolerance.recovery_timeout_s", "must be a finite number > 0");
+  }
   return absl::OkStatus();
 }
 

@@ -40,6 +40,10 @@ std::string ModeName(Mode mode);
 // torch.optim's default weight decay: 0.01 for AdamW, 0 otherwise.
 double DefaultWeightDecay(OptimizerKind optimizer);
 
+// The most micro-batches a step may have (the schedule holds an action per micro-batch
+// and stage, so an unbounded count is memory a submission could claim).
+inline constexpr int kMaxMicrobatches = 16384;
+
 // Fault tolerance's defaults: a checkpoint every 50 steps, 3 restarts, 300 s to find
 // the workers for a restart.
 inline constexpr int kDefaultCheckpointEvery = 50;

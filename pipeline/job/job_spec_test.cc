@@ -1,4 +1,8 @@
 #include "pipeline/job/job_spec.h"
+#include "pipeline/job/job_plan.h"
+
+#include <cmath>
+#include <limits>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -131,7 +135,70 @@ TEST(CheckSpec, FaultTolerance_DefaultsAndLimits) {
   EXPECT_THAT(std::string(CheckSpec(&bad).message()), HasSubstr("fault_tolerance.max_restarts"));
   bad = TrainSpec();
   bad.mutable_fault_tolerance()->set_recovery_timeout_s(0);
-  EXPECT_THAT(std::string(CheckSpec(&bad).message()), HasSubstr("fault_tolerance.recovery_timeout_s: must be > 0"));
+  EXPECT_THAT(std::string(CheckSpec(&bad).message()), HasSubstr("fault_tolerance.recovery_timeout_s: must be a finite number > 0"));
+}
+
+
+// Found by fuzz/job_spec_fuzz's seeds: a spec alone must not size the coordinator's
+// memory (a schedule has an action per micro-batch and stage) or overflow its checks.
+TEST(CheckSpec, HostileNumbers_AreRefused) {
+  JobSpec many = TrainSpec();
+  many.mutable_schedule()->set_microbatches(1 << 30);
+  many.set_batch_size(1 << 30);
+  EXPECT_THAT(std::string(CheckSpec(&many).message()), HasSubstr("schedule.microbatches: at most 16384"));
+  JobSpec overflow = TrainSpec();
+  overflow.mutable_schedule()->set_microbatches(1 << 16);
+  overflow.set_batch_size(1 << 16);
+  overflow.set_replicas(1 << 16);
+  EXPECT_FALSE(CheckSpec(&overflow).ok());
+  JobSpec inf = TrainSpec();
+  inf.mutable_optimizer()->set_lr(std::numeric_limits<double>::infinity());
+  EXPECT_THAT(std::string(CheckSpec(&inf).message()), HasSubstr("optimizer.lr: must be a finite number"));
+  JobSpec nan = TrainSpec();
+  nan.mutable_optimizer()->set_momentum(std::nan(""));
+  EXPECT_THAT(std::string(CheckSpec(&nan).message()), HasSubstr("optimizer.momentum: must be a finite number"));
+}
+
+// CheckPlan: what fuzz/plan_json_fuzz checks every parsed plan with before use.
+TEST(CheckPlan, BrokenCrossReferences_AreNamed) {
+  PipelinePlan plan;
+  plan.add_inputs()->set_name("x");
+  for (int s = 0; s < 2; ++s) {
+    StagePlan* st = plan.add_stages();
+    st->set_index(s);
+    StageInput* in = st->add_inputs();
+    if (s == 0) {
+      in->set_model_input(0);
+    } else {
+      in->set_source_stage(0);
+      in->set_source_output(0);
+    }
+    st->add_outputs()->set_name("y");
+    st->set_is_last(s == 1);
+  }
+  plan.mutable_stages(0)->mutable_outputs(0)->add_consumers(1);
+  EXPECT_TRUE(CheckPlan(plan).ok()) << CheckPlan(plan);
+  auto broken = [&](auto&& edit) {
+    PipelinePlan p = plan;
+    edit(p);
+    return std::string(CheckPlan(p).message());
+  };
+  EXPECT_THAT(broken([](PipelinePlan& p) { p.clear_stages(); }), HasSubstr("plan: no stages"));
+  EXPECT_THAT(broken([](PipelinePlan& p) { p.mutable_stages(1)->set_index(5); }),
+              HasSubstr("stages[1].index is 5"));
+  EXPECT_THAT(broken([](PipelinePlan& p) { p.mutable_stages(1)->mutable_inputs(0)->set_source_stage(1); }),
+              HasSubstr("stages[1].inputs[0].source_stage 1 is not an earlier stage"));
+  EXPECT_THAT(broken([](PipelinePlan& p) { p.mutable_stages(1)->mutable_inputs(0)->set_source_output(3); }),
+              HasSubstr("source_output 3 is not one of stage 0's 1 outputs"));
+  EXPECT_THAT(broken([](PipelinePlan& p) { p.mutable_stages(0)->mutable_inputs(0)->set_model_input(2); }),
+              HasSubstr("model_input 2 is not one of the 1 model inputs"));
+  EXPECT_THAT(broken([](PipelinePlan& p) { p.mutable_stages(0)->mutable_outputs(0)->add_consumers(9); }),
+              HasSubstr("names consumer 9, not a later stage"));
+  EXPECT_THAT(broken([](PipelinePlan& p) { p.mutable_stages(0)->set_is_last(true); }),
+              HasSubstr("only the last stage is"));
+  EXPECT_THAT(broken([](PipelinePlan& p) { p.mutable_stages(0)->add_parameters()->set_tie_group(4); }),
+              HasSubstr("tie_group 4 is not one of the 0 tied groups"));
+  EXPECT_THAT(broken([](PipelinePlan& p) { p.add_tied()->add_stages(7); }), HasSubstr("tied[0] names stage 7 of 2"));
 }
 
 }  // namespace

@@ -47,6 +47,7 @@ absl::StatusOr<std::unique_ptr<RankJob>> RankJob::Create(const JobSpec& spec, co
   job->spec_ = spec;
   job->rank_ = rank;
   job->replica_ = replicas != nullptr ? replicas->index() : 0;
+  PIPPY_RETURN_IF_ERROR(CheckPlan(plan));
   PIPPY_ASSIGN_OR_RETURN(job->schedule_, ScheduleFor(spec, plan));
   stage::RuntimeOptions ro = RuntimeOptionsFor(spec, timeout);
   ro.replicas = replicas;

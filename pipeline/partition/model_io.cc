@@ -10,7 +10,10 @@
 #include "absl/strings/str_join.h"
 #include "common/status.h"
 #include "common/torch_status.h"
+#include "caffe2/serialize/file_adapter.h"
+#include "caffe2/serialize/inline_container.h"
 #include "caffe2/serialize/read_adapter_interface.h"
+#include "torch/csrc/jit/frontend/error_report.h"
 #include "torch/csrc/jit/serialization/export.h"
 #include "torch/csrc/jit/serialization/import.h"
 #include "torch/csrc/jit/serialization/pickle.h"
@@ -52,6 +55,40 @@ class ViewReadAdapter : public caffe2::serialize::ReadAdapterInterface {
  private:
   absl::string_view bytes_;
 };
+
+// The archive read by `reader` without its debug info (code/**.debug_pkl, the source
+// ranges that map the code to the Python it came from), written to memory.
+std::string WithoutDebugInfo(caffe2::serialize::PyTorchStreamReader& reader) {
+  std::string out;
+  caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t n) -> size_t {
+    out.append(static_cast<const char*>(data), n);
+    return n;
+  });
+  writer.setMinVersion(reader.version());
+  for (const std::string& name : reader.getAllRecords()) {
+    if (absl::EndsWith(name, ".debug_pkl") || name == "version" || name == ".data/version") continue;
+    auto [data, size] = reader.getRecord(name);
+    writer.writeRecord(name, data.get(), size);
+  }
+  writer.writeEndOfFile();
+  return out;
+}
+
+// torch::jit::load, where a TorchScript compile error (torch::jit::ErrorReport) is loaded
+// again without the archive's debug info before it is reported. The error's what()
+// reads the debug info lazily to point at the original Python; with corrupt debug info
+// that read throws inside what(), which is noexcept: the process would terminate. (A
+// mutated archive did this under fuzz/model_fuzz.) Without debug info, what() reports
+// the TorchScript code's own lines.
+torch::jit::Module LoadReportingSafely(const std::function<std::shared_ptr<caffe2::serialize::ReadAdapterInterface>()>& open) {
+  try {
+    return torch::jit::load(open(), c10::Device(c10::kCPU));
+  } catch (const torch::jit::ErrorReport&) {  // not e.what(): see above
+  }
+  caffe2::serialize::PyTorchStreamReader reader(open());
+  const std::string stripped = WithoutDebugInfo(reader);
+  return torch::jit::load(std::make_shared<ViewReadAdapter>(stripped), c10::Device(c10::kCPU));
+}
 
 // Loads through `load` (from a file or from memory) and turns LibTorch's errors into
 // messages that say what the file is and what to do.
@@ -101,13 +138,15 @@ absl::StatusOr<torch::jit::Module> LoadModel(const std::string& path) {
   const uint64_t size = std::filesystem::file_size(path, ec);
   if (ec) return absl::NotFoundError(absl::StrCat("cannot read '", path, "': ", ec.message()));
   return LoadArchive(path, absl::string_view(head, static_cast<size_t>(got)), size,
-                     [&] { return torch::jit::load(path, c10::Device(c10::kCPU)); });
+                     [&] {
+                       return LoadReportingSafely(
+                           [&] { return std::make_shared<caffe2::serialize::FileAdapter>(path); });
+                     });
 }
 
 absl::StatusOr<torch::jit::Module> LoadModelFromBytes(absl::string_view bytes, const std::string& name) {
-  return LoadArchive(name, bytes, bytes.size(), [&] {
-    return torch::jit::load(std::make_shared<ViewReadAdapter>(bytes), c10::Device(c10::kCPU));
-  });
+  return LoadArchive(name, bytes, bytes.size(),
+                     [&] { return LoadReportingSafely([&] { return std::make_shared<ViewReadAdapter>(bytes); }); });
 }
 
 absl::Status WriteModule(const torch::jit::Module& module,

@@ -408,7 +408,32 @@ absl::StatusOr<Schedule> FromCsv(const std::string& csv, const StageGraph& graph
       max_mb = std::max(max_mb, a->microbatch);
       list.push_back(*a);
     }
+    if (list.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("CSV row ", r, " (rank ", r,
+                                                     ") has no action; every rank of a schedule runs some"));
+    }
     sc.ranks.push_back(std::move(list));
+  }
+  if (stage_rank.empty()) {
+    return absl::InvalidArgumentError("the CSV schedule has no compute action (F, B, I or W): nothing to run");
+  }
+  // Every stage needs a compute action of its own, and every micro-batch a forward:
+  // numbers beyond the count of compute actions cannot all be there (this is checked
+  // before anything is sized by them).
+  size_t computes = 0;
+  for (const ActionList& l : sc.ranks) {
+    computes += static_cast<size_t>(std::count_if(l.begin(), l.end(), [](const Action& a) { return a.IsCompute(); }));
+  }
+  if (static_cast<size_t>(max_stage) >= stage_rank.size()) {
+    for (int s = 0;; ++s) {
+      if (stage_rank.count(s) == 0) {
+        return absl::InvalidArgumentError(absl::StrCat("CSV: stage ", s, " has no compute action on any rank"));
+      }
+    }
+  }
+  if (static_cast<size_t>(max_mb) >= computes) {
+    return absl::InvalidArgumentError(absl::StrCat("CSV: micro-batch ", max_mb, " is named, but there are only ",
+                                                   computes, " compute actions; micro-batches are numbered from 0"));
   }
   sc.num_ranks = static_cast<int>(sc.ranks.size());
   sc.num_stages = max_stage + 1;

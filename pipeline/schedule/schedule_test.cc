@@ -175,6 +175,18 @@ TEST(Csv, BadCell_NamesRowAndCell) {
   EXPECT_THAT(s.status().message(), HasSubstr("CSV row 1 (rank 1), cell 1"));
 }
 
+// Found by fuzz/schedule_csv_fuzz (the first two) and by reading FromCsv while fixing
+// them: a CSV must not size anything by the numbers in it before they are checked.
+TEST(Csv, HostileSchedules_AreRefused) {
+  EXPECT_THAT(FromCsv("None\t").status().message(), HasSubstr("CSV row 0 (rank 0) has no action"));
+  EXPECT_THAT(FromCsv("0SEND_F0\n").status().message(), HasSubstr("no compute action"));
+  EXPECT_THAT(FromCsv("0F0\n\n\n\x0c,").status().message(), HasSubstr("CSV row 1 (rank 1) has no action"));
+  EXPECT_THAT(FromCsv("0F0,0F1\n2000000000F0\n").status().message(), HasSubstr("stage 1 has no compute action"));
+  EXPECT_THAT(FromCsv("0F0,0F1\n1F2000000000\n").status().message(), HasSubstr("micro-batch 2000000000 is named"));
+  EXPECT_THAT(FromCsv("0F0,0F99999999999\n").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(FromCsv("0F0,0F900\n").status().message(), HasSubstr("micro-batch 900 is named"));
+}
+
 TEST(Preconditions, Violations_SayWhatToChange) {
   ScheduleOptions o;
   o.num_ranks = 4;

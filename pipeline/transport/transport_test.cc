@@ -288,6 +288,53 @@ TEST(WireFormat, MalformedMessages_DataLossNamingTheProblem) {
   EXPECT_THAT(j.status().message(), HasSubstr("not a pippy message"));
 }
 
+// Headers a peer could send to make the receiver allocate without bound (found by
+// reading the decoder with fuzz/wire_header_fuzz): refused before anything is sized.
+TEST(WireFormat, HostileHeaders_RefusedBeforeAllocating) {
+  int allocations = 0;
+  const wire::Allocator counting = [&](const std::vector<int64_t>& sizes, c10::ScalarType dtype) {
+    ++allocations;
+    return at::empty(sizes, at::TensorOptions().dtype(dtype));
+  };
+  std::vector<at::Tensor> got;
+  auto put_u32 = [](std::string* s, uint32_t v) { s->append(reinterpret_cast<const char*>(&v), 4); };
+  auto put_i64 = [](std::string* s, int64_t v) { s->append(reinterpret_cast<const char*>(&v), 8); };
+  // A list that claims 4 billion elements.
+  std::string list;
+  put_u32(&list, wire::kMagic);
+  list += '\x06';
+  put_u32(&list, 0xFFFFFFFFu);
+  EXPECT_EQ(wire::DecodeHeader(list.data(), list.size(), counting, &got).status().code(), absl::StatusCode::kDataLoss);
+  // A float tensor of 2^62 elements (and one whose element count overflows int64).
+  for (int64_t d : {int64_t{1} << 31, int64_t{1} << 62}) {
+    std::string huge;
+    put_u32(&huge, wire::kMagic);
+    huge += '\x01';
+    huge += static_cast<char>(c10::ScalarType::Float);
+    huge += '\x02';
+    put_i64(&huge, d);
+    put_i64(&huge, d);
+    auto r = wire::DecodeHeader(huge.data(), huge.size(), counting, &got);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss);
+    EXPECT_THAT(r.status().message(), HasSubstr("bytes in all"));
+  }
+  // A quantized dtype (no raw payload to receive into).
+  std::string q;
+  put_u32(&q, wire::kMagic);
+  q += '\x01';
+  q += static_cast<char>(c10::ScalarType::QInt8);
+  q += '\x01';
+  put_i64(&q, 4);
+  EXPECT_EQ(wire::DecodeHeader(q.data(), q.size(), counting, &got).status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(allocations, 0);
+  // Within a caller's limit it decodes; beyond it, it is refused.
+  std::string header;
+  std::vector<at::Tensor> sent;
+  ASSERT_TRUE(wire::EncodeHeader(at::ones({256}), &header, &sent).ok());
+  EXPECT_TRUE(wire::DecodeHeader(header.data(), header.size(), counting, &got, nullptr, 1024).ok());
+  EXPECT_FALSE(wire::DecodeHeader(header.data(), header.size(), counting, &got, nullptr, 1023).ok());
+}
+
 std::vector<std::unique_ptr<Transport>> Ucx(int n, const char* tls) {
   auto g = ucx::CreateLocalGroup(n, ucx::LocalOptions(tls));
   EXPECT_TRUE(g.ok()) << g.status();

@@ -67,7 +67,57 @@ struct Reader {
   }
 };
 
+// Walks a header without building anything: whether it is well formed (known kinds
+// and dtypes, no more elements than bytes left to describe them, at most 64 levels
+// deep), and the payload bytes its tensors add up to (false on overflow or beyond
+// `limit`). Decode runs only after Scan passed, so nothing is sized by a header that
+// could not be valid.
+bool Scan(Reader* r, int64_t limit, int64_t* bytes, int depth = 0) {
+  uint8_t kind;
+  if (depth > 64 || !r->Get(&kind)) return false;
+  switch (kind) {
+    case kNone: return true;
+    case kTensor: {
+      uint8_t dtype, ndim;
+      if (!r->Get(&dtype) || !r->Get(&ndim)) return false;
+      if (dtype >= static_cast<uint8_t>(c10::ScalarType::NumOptions)) return false;
+      const auto type = static_cast<c10::ScalarType>(dtype);
+      if (c10::isQIntType(type) || type == c10::ScalarType::Undefined) return false;
+      int64_t n = static_cast<int64_t>(c10::elementSize(type));
+      for (int i = 0; i < ndim; ++i) {
+        int64_t d;
+        if (!r->Get(&d) || d < 0) return false;
+        if (d > 0 && n > limit / d) return false;
+        n *= d;
+      }
+      if (n > limit - *bytes) return false;
+      *bytes += n;
+      return true;
+    }
+    case kInt: { int64_t x; return r->Get(&x); }
+    case kDouble: { double x; return r->Get(&x); }
+    case kBool: { uint8_t x; return r->Get(&x); }
+    case kString: {
+      uint32_t n;
+      if (!r->Get(&n) || r->end - r->p < n) return false;
+      r->p += n;
+      return true;
+    }
+    case kTuple:
+    case kList: {
+      uint32_t n;
+      if (!r->Get(&n) || r->end - r->p < n) return false;  // every element takes a byte at least
+      for (uint32_t i = 0; i < n; ++i) {
+        if (!Scan(r, limit, bytes, depth + 1)) return false;
+      }
+      return true;
+    }
+    default: return false;
+  }
+}
+
 // Rebuilds the value, allocating (empty) tensors to receive the payload into.
+// REQUIRES: Scan passed over the same bytes.
 bool Decode(Reader* r, c10::IValue* v, std::vector<at::Tensor>* tensors, const Allocator& alloc, int depth = 0) {
   uint8_t kind;
   if (depth > 64 || !r->Get(&kind)) return false;
@@ -132,13 +182,27 @@ void AppendInlinePayload(const std::vector<at::Tensor>& tensors, std::string* he
 }
 
 absl::StatusOr<c10::IValue> DecodeHeader(const char* data, size_t size, const Allocator& alloc,
-                                         std::vector<at::Tensor>* tensors, bool* inline_payload) {
+                                         std::vector<at::Tensor>* tensors, bool* inline_payload,
+                                         int64_t max_payload_bytes) {
   Reader r{data, data + size};
   uint32_t magic = 0;
   c10::IValue value;
   const size_t first = tensors->size();
   const bool ok_magic = r.Get(&magic) && (magic == kMagic || (magic == kMagicInline && inline_payload != nullptr));
-  if (!ok_magic || !Decode(&r, &value, tensors, alloc)) {
+  if (!ok_magic) return absl::DataLossError("malformed message header (not a pippy message, or a corrupted one)");
+  Reader scan = r;
+  int64_t payload = 0;
+  if (!Scan(&scan, max_payload_bytes, &payload)) {
+    return absl::DataLossError(absl::StrCat("malformed message header (a corrupted one, or tensors of more than ",
+                                            max_payload_bytes, " bytes in all)"));
+  }
+  if (magic == kMagicInline && payload != scan.end - scan.p) {
+    return absl::DataLossError(absl::StrCat("malformed inline message: ",
+                                            payload > scan.end - scan.p ? "fewer" : "more",
+                                            " payload bytes than its header describes (", payload, " described, ",
+                                            scan.end - scan.p, " follow)"));
+  }
+  if (!Decode(&r, &value, tensors, alloc)) {
     return absl::DataLossError("malformed message header (not a pippy message, or a corrupted one)");
   }
   if (inline_payload != nullptr) *inline_payload = magic == kMagicInline;

@@ -43,10 +43,14 @@ void AppendInlinePayload(const std::vector<at::Tensor>& tensors, std::string* he
 // Rebuilds the value from a header, allocating its tensors with `alloc` (appended to
 // `tensors` in payload order). An inline message ("PPYI") is accepted only where
 // `inline_payload` is given: the tensors are then filled from the bytes after the
-// header and *inline_payload is set (else cleared). Errors: DATA_LOSS for a malformed
-// header, or inline bytes that do not match the tensors' sizes.
+// header and *inline_payload is set (else cleared). The whole header is checked before
+// anything is allocated. Errors: DATA_LOSS for a malformed header (unknown kinds or
+// dtypes, quantized dtypes, counts beyond the bytes that follow), tensors of more than
+// `max_payload_bytes` bytes in all, or inline bytes that do not match the tensors' sizes.
+constexpr int64_t kMaxPayloadBytes = int64_t{1} << 36;  // 64 GiB in one message
 absl::StatusOr<c10::IValue> DecodeHeader(const char* data, size_t size, const Allocator& alloc,
-                                         std::vector<at::Tensor>* tensors, bool* inline_payload = nullptr);
+                                         std::vector<at::Tensor>* tensors, bool* inline_payload = nullptr,
+                                         int64_t max_payload_bytes = kMaxPayloadBytes);
 
 }  // namespace pippy::transport::wire
 

@@ -1,0 +1,131 @@
+#!/usr/bin/python3
+"""Writes the generated part of the fuzz seed corpora (fuzz/corpus/<target>/):
+job specs as SubmitJob sends them, message headers as the transports send them, and a
+tiny TorchScript model. The schedule CSVs come from `pippyctl schedule --csv`, the
+plans from `pippyctl split --out`, the other models from the test zoo; crash-* files
+are inputs that once crashed a target (kept so that they never do again).
+
+    /usr/bin/python3 fuzz/make_seeds.py fuzz/corpus
+"""
+import os
+import struct
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "client", "python", "pippy", "_stubs"))
+from proto import job_pb2  # noqa: E402
+
+
+def job_specs(out):
+    def spec(name, **kw):
+        s = job_pb2.JobSpec()
+        s.schedule.kind = kw.get("kind", job_pb2.SCHEDULE_1F1B)
+        s.schedule.microbatches = kw.get("microbatches", 4)
+        s.schedule.stages_per_worker = kw.get("stages_per_worker", 0)
+        s.split.stages = kw.get("stages", 2)
+        s.split.split_at.extend(kw.get("split_at", []))
+        s.steps = kw.get("steps", 3)
+        s.batch_size = kw.get("batch_size", 8)
+        s.optimizer.kind = kw.get("optimizer", job_pb2.OPTIMIZER_SGD)
+        s.optimizer.lr = 0.1
+        s.loss = kw.get("loss", job_pb2.LOSS_MSE)
+        if "replicas" in kw:
+            s.replicas = kw["replicas"]
+        with open(os.path.join(out, name + ".pb"), "wb") as f:
+            f.write(s.SerializeToString())
+
+    spec("1f1b")
+    spec("gpipe", kind=job_pb2.SCHEDULE_GPIPE)
+    spec("interleaved", kind=job_pb2.SCHEDULE_INTERLEAVED_1F1B, stages=4, microbatches=4)
+    spec("zbv", kind=job_pb2.SCHEDULE_ZBV, stages=4, microbatches=4, optimizer=job_pb2.OPTIMIZER_ADAMW)
+    spec("inference", kind=job_pb2.SCHEDULE_INFERENCE, loss=job_pb2.LOSS_UNSPECIFIED)
+    spec("split_at", stages=0, split_at=["blocks.1", "blocks.2:end"], kind=job_pb2.SCHEDULE_GPIPE)
+    spec("replicas", replicas=2, batch_size=16, optimizer=job_pb2.OPTIMIZER_ADAM)
+
+
+KINDS = {"none": 0, "tensor": 1, "int": 2, "double": 3, "bool": 4, "tuple": 5, "list": 6, "string": 7}
+
+
+def header(value, inline=False):
+    """The wire format of pipeline/transport/wire_format.h; tensors are (dtype, shape)."""
+    out = bytearray(struct.pack("<I", 0x50505949 if inline else 0x50505931))
+    payload = bytearray()
+
+    def put(v):
+        if v is None:
+            out.append(KINDS["none"])
+        elif isinstance(v, bool):
+            out.extend([KINDS["bool"], int(v)])
+        elif isinstance(v, int):
+            out.append(KINDS["int"]); out.extend(struct.pack("<q", v))
+        elif isinstance(v, float):
+            out.append(KINDS["double"]); out.extend(struct.pack("<d", v))
+        elif isinstance(v, str):
+            b = v.encode(); out.append(KINDS["string"]); out.extend(struct.pack("<I", len(b))); out.extend(b)
+        elif isinstance(v, list):
+            out.append(KINDS["list"]); out.extend(struct.pack("<I", len(v)))
+            for e in v:
+                put(e)
+        elif isinstance(v, tuple) and len(v) == 3 and v[0] == "T":
+            _, dtype, shape = v  # dtype: c10::ScalarType (6 float, 4 long, 11 bool)
+            out.extend([KINDS["tensor"], dtype, len(shape)])
+            for d in shape:
+                out.extend(struct.pack("<q", d))
+            n = {6: 4, 4: 8, 11: 1, 7: 8, 5: 2, 15: 2}[dtype]
+            for d in shape:
+                n *= d
+            payload.extend(bytes(n))
+        elif isinstance(v, tuple):
+            out.append(KINDS["tuple"]); out.extend(struct.pack("<I", len(v)))
+            for e in v:
+                put(e)
+    put(value)
+    return bytes(out + (payload if inline else b""))
+
+
+def wire_headers(out):
+    seeds = {
+        "tensor": ("T", 6, [4, 8]),
+        "tuple": (("T", 6, [2, 3]), ("T", 4, [2]), None),
+        "nested": [("T", 11, [3]), (1, 2.5, True, "mask"), []],
+        "scalar_tensor": ("T", 7, []),
+        "inline_tensor": None,
+        "inline_tuple": None,
+    }
+    for name, v in seeds.items():
+        if v is None:
+            continue
+        with open(os.path.join(out, name + ".bin"), "wb") as f:
+            f.write(header(v))
+    with open(os.path.join(out, "inline_tensor.bin"), "wb") as f:
+        f.write(header(("T", 6, [2, 2]), inline=True))
+    with open(os.path.join(out, "inline_tuple.bin"), "wb") as f:
+        f.write(header((("T", 5, [3]), 7, ("T", 15, [1, 2])), inline=True))
+
+
+def tiny_model(out):
+    import torch
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(3, 4)
+            self.b = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    torch.manual_seed(0)
+    torch.jit.script(Tiny()).save(os.path.join(out, "tiny.pt"))
+
+
+def main():
+    root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(HERE, "corpus")
+    for d, make in [("job_spec_fuzz", job_specs), ("wire_header_fuzz", wire_headers), ("model_fuzz", tiny_model)]:
+        path = os.path.join(root, d)
+        os.makedirs(path, exist_ok=True)
+        make(path)
+
+
+if __name__ == "__main__":
+    main()
