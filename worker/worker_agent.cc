@@ -152,8 +152,22 @@ class Agent {
                            tls::ChannelCredentials({options_.tls_ca, options_.tls_cert, options_.tls_key}));
     auto channel = grpc::CreateCustomChannel(options_.coordinator, credentials, args);
     if (!channel->WaitForConnected(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(connect_timeout))) {
+      std::string why;
+      if (!options_.tls_ca.empty()) {
+        // A refused TLS handshake looks like an unreachable host to WaitForConnected; one
+        // call on the channel says which it was.
+        grpc::health::v1::HealthCheckRequest req;
+        grpc::health::v1::HealthCheckResponse resp;
+        grpc::ClientContext probe;
+        probe.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+        grpc::Status st = grpc::health::v1::Health::NewStub(channel)->Check(&probe, req, &resp);
+        if (!st.ok()) {
+          why = absl::StrCat(" (", st.error_message(), "; with TLS, check that --tls-ca signed the coordinator's "
+                             "certificate and, for mTLS, that the coordinator's --tls-client-ca signed --tls-cert)");
+        }
+      }
       return absl::UnavailableError(absl::StrCat("cannot reach the coordinator at ", options_.coordinator,
-                                                 " within ", absl::FormatDuration(connect_timeout)));
+                                                 " within ", absl::FormatDuration(connect_timeout), why));
     }
     auto stub = WorkerHub::NewStub(channel);
     grpc::ClientContext ctx;

@@ -2,8 +2,9 @@
 # TLS and user tokens end to end: certificates from scripts/make-dev-certs; a real coordinator serving
 # gRPC over TLS with mTLS for workers (--tls-client-ca); workers with a client
 # certificate register and train a job that pippyctl (--tls-ca) submits and fetches;
-# a worker without a client certificate is refused (UNAUTHENTICATED), and so is a
-# pippyctl that does not trust the coordinator's CA.
+# a worker without a client certificate is refused (UNAUTHENTICATED), one whose
+# certificate another CA signed is refused at the handshake (and says which flags to
+# check), and so is a pippyctl that does not trust the coordinator's CA.
 set -u
 PIPPYCTL="$PWD/client/pippyctl"
 COORD="$PWD/coordinator/pippy-coordinator"
@@ -50,6 +51,16 @@ if [ "$rc_plain" = 3 ] && [ "$rc_untrusted" = 3 ]; then
   ok "plaintext and untrusting clients cannot talk to it (exit 3 both)"
 else
   bad "plaintext client exit $rc_plain ($(cat "$TMP/plain.out")), untrusting client exit $rc_untrusted"
+fi
+# A worker whose client certificate another CA signed: refused at the handshake, exits.
+timeout 30 "$WORKER" --coordinator "$ADDR" --name wrongcert --tls-ca "$C/ca.pem" --tls-cert "$TMP/other/client.pem" \
+  --tls-key "$TMP/other/client.key" --reconnect-timeout-s 0 > "$TMP/wrongcert.log" 2>&1
+rc=$?
+if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$(idle)" = 2 ] && grep -q "tls-client-ca signed --tls-cert" "$TMP/wrongcert.log" &&
+   ! ctl workers --output json 2>/dev/null | grep -q wrongcert; then
+  ok "a worker with a client certificate from another CA is refused (exit $rc): $(tail -1 "$TMP/wrongcert.log" | cut -c1-140)"
+else
+  bad "worker with another CA's certificate: exit $rc, $(tail -3 "$TMP/wrongcert.log")"
 fi
 # A job end to end over TLS, fetched and loaded.
 if ctl submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --stages 2 --schedule 1f1b --microbatches 4 \
