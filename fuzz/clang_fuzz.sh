@@ -1,5 +1,7 @@
 #!/bin/bash
-# Compiles (-c) or links a libFuzzer target with Debian's clang: AddressSanitizer and
+# Compiles (-c) or links a libFuzzer target with Debian's clang: AddressSanitizer,
+# UndefinedBehaviorSanitizer (every finding fatal; not vptr/function, which need type
+# information across the uninstrumented LibTorch) and
 # libFuzzer's coverage instrumentation over pippy's code; the system libraries
 # (LibTorch, protobuf, Abseil, spdlog) are linked as they are, uninstrumented.
 # Called by the genrules of fuzz/fuzz.bzl: clang_fuzz.sh compile GENDIR SRC OUT
@@ -14,13 +16,13 @@ mode=$1; shift
 case "$mode" in
   compile)
     gendir=$1 src=$2 out=$3
-    exec "$CLANG" -c -std=c++17 -O1 -g -fno-omit-frame-pointer -fsanitize=address,fuzzer-no-link \
+    exec "$CLANG" -c -std=c++17 -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined,fuzzer-no-link -fno-sanitize=vptr,function -fno-sanitize-recover=undefined \
       -DSPDLOG_COMPILED_LIB -DSPDLOG_FMT_EXTERNAL -Wno-deprecated-declarations -Wno-unknown-warning-option \
       -I. -I"$gendir" -isystem /usr/include/torch/csrc/api/include "$src" -o "$out"
     ;;
   link)
     out=$1; shift
-    exec "$CLANG" -fsanitize=address,fuzzer -Wl,--as-needed "$@" -o "$out" \
+    exec "$CLANG" -fsanitize=address,undefined,fuzzer -Wl,--as-needed "$@" -o "$out" \
       -ltorch -ltorch_cpu -lc10 -lprotobuf -lspdlog -lfmt \
       -labsl_status -labsl_statusor -labsl_cord -labsl_cord_internal -labsl_cordz_functions \
       -labsl_cordz_handle -labsl_cordz_info -labsl_str_format_internal -labsl_strings \

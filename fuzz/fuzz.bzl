@@ -3,7 +3,7 @@
 Bazel 4.2.3 configures one C++ toolchain (GCC) for the whole build; a second one for
 some targets needs platforms and transitions this offline setup does not have. So each
 source file is compiled by its own genrule (cached and run in parallel like any action)
-with clang, AddressSanitizer and libFuzzer's instrumentation (fuzz/clang_fuzz.sh), and
+with clang, AddressSanitizer, UndefinedBehaviorSanitizer and libFuzzer's instrumentation (fuzz/clang_fuzz.sh), and
 each fuzz target is linked by another.
 """
 

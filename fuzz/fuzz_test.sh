@@ -44,7 +44,7 @@ for bin in "$@"; do
   fi
 done
 echo
-echo "fuzzing, ${SECONDS_EACH} s per target (model and split: $((SECONDS_EACH * 2)) s) (ASan + libFuzzer, clang $(clang++-14 --version 2>/dev/null | head -1 | grep -o '[0-9][0-9.]*' | head -1)):"
+echo "fuzzing, ${SECONDS_EACH} s per target (model and split: $((SECONDS_EACH * 2)) s) (ASan + UBSan + libFuzzer, clang $(clang++-14 --version 2>/dev/null | head -1 | grep -o '[0-9][0-9.]*' | head -1)):"
 printf '  %s\n' "${rows[@]}"
 echo "$(( $# - failed )) of $# fuzz targets ran clean"
 [ "$failed" -eq 0 ]
