@@ -113,8 +113,17 @@ absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::stri
   if (ArtifactStore::FileSize(model_path) <= 0) return Bad("model", "empty: send the TorchScript file's bytes");
   absl::Status checked = absl::OkStatus();
   if (!options.model_checker.empty()) {
-    checked = CheckModelInChild(options.model_checker, model_path, options.model_check_timeout);
-    if (checked.code() == absl::StatusCode::kUnavailable) return checked;
+    const std::string data_path = dir + "/data.pt";
+    ModelCheckError c = CheckModelInChild(options.model_checker, model_path,
+                                          std::filesystem::exists(data_path) ? data_path : "",
+                                          options.model_check_timeout);
+    if (c.status.code() == absl::StatusCode::kUnavailable) return c.status;
+    if (c.field == ModelCheckError::kData && !c.status.ok()) {
+      // DataSource's own errors start with "data"; a crash or a hang does not.
+      if (absl::StartsWith(c.status.message(), "data")) return c.status;
+      return Bad("data", c.status.message());
+    }
+    checked = c.status;
   }
   absl::StatusOr<torch::jit::Module> loaded =
       checked.ok() ? partition::LoadModel(model_path) : absl::StatusOr<torch::jit::Module>(checked);

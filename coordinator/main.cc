@@ -27,7 +27,9 @@ std::unique_ptr<grpc::Server> g_server;
 int main(int argc, char** argv) {
   using namespace pippy;
   // The child that loads a submitted model first (coordinator/model_check.h).
-  if (argc == 3 && std::string(argv[1]) == coordinator::kCheckModelFlag) return coordinator::RunModelCheck(argv[2]);
+  if ((argc == 3 || argc == 4) && std::string(argv[1]) == coordinator::kCheckModelFlag) {
+    return coordinator::RunModelCheck(argv[2], argc == 4 ? argv[3] : "");
+  }
   CLI::App app("Splits submitted TorchScript models into pipeline stages, places them on pippy-worker "
                "daemons and follows the jobs (docs/api.md).",
                kProgram);

@@ -80,6 +80,33 @@ if [ "$rc" = 2 ] && grep -q "model: " "$TMP/debug.out" && alive; then
 else
   bad "corrupt debug info: exit $rc ($(cat "$TMP/debug.out")); alive: $(alive && echo yes || echo no)"
 fi
+# 2b. A 600-byte data file whose pickle announces a 4 GiB string (LibTorch's unpickler
+#     makes room before it reads: the coordinator touched 4 GiB before the model check),
+#     and a 5 KB model archive doing the same.
+/usr/bin/python3 - "$TMP" <<'PY'
+import sys, zipfile, torch
+tmp = sys.argv[1]
+torch.save({"inputs": torch.zeros(16, 8), "targets": torch.zeros(16, 8)}, f"{tmp}/ok.data.pt")
+src = zipfile.ZipFile(f"{tmp}/ok.data.pt")
+with zipfile.ZipFile(f"{tmp}/evil.data.pt", "w", zipfile.ZIP_STORED) as out:
+    for n in src.namelist():
+        out.writestr(n, b"\x80\x02X\x00\x00\x00\xf0" + b"a" * 16 if n.endswith("data.pkl") else src.read(n))
+PY
+ctl submit "$ZOO/mlp.pt" --data "$TMP/evil.data.pt" "${SPEC[@]}" > "$TMP/evildata.out" 2>&1
+rc=$?
+rss_kb=$(awk '/VmHWM/{print $2}' /proc/$coord/status)
+if [ "$rc" = 2 ] && grep -q "data: .*far more memory than its size" "$TMP/evildata.out" && [ "${rss_kb:-0}" -lt 1500000 ] && alive; then
+  ok "a data file announcing a 4 GiB string is refused; the coordinator's peak RSS stays $((rss_kb / 1024)) MiB: $(tail -1 "$TMP/evildata.out" | cut -c1-120)"
+else
+  bad "hostile data file: exit $rc ($(cat "$TMP/evildata.out")), coordinator peak RSS ${rss_kb:-?} kB"
+fi
+ctl submit "$CORPUS/oom-pickle-string-length" --data "$ZOO/mlp.data.pt" "${SPEC[@]}" > "$TMP/oommodel.out" 2>&1
+rc=$?
+if [ "$rc" = 2 ] && grep -q "model: .*far more memory than its size" "$TMP/oommodel.out" && alive; then
+  ok "a model archive announcing a 4 GiB string is refused: $(tail -1 "$TMP/oommodel.out" | cut -c1-120)"
+else
+  bad "hostile model pickle: exit $rc ($(cat "$TMP/oommodel.out"))"
+fi
 # 3. Not a model at all, and a truncated one.
 head -c 3000 "$ZOO/mlp.pt" > "$TMP/truncated.pt"
 ctl submit "$TMP/truncated.pt" --data "$ZOO/mlp.data.pt" "${SPEC[@]}" > "$TMP/trunc.out" 2>&1
