@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Writes the generated part of the fuzz seed corpora (fuzz/corpus/<target>/):
-job specs as SubmitJob sends them, message headers as the transports send them, and a
-tiny TorchScript model. The schedule CSVs come from `pippyctl schedule --csv`, the
+job specs as SubmitJob sends them, message headers as the transports send them, a
+tiny TorchScript model, and data files. The schedule CSVs come from `pippyctl schedule --csv`, the
 plans from `pippyctl split --out`, the other models from the test zoo; crash-* files
 are inputs that once crashed a target (kept so that they never do again).
 
@@ -119,9 +119,28 @@ def tiny_model(out):
     torch.jit.script(Tiny()).save(os.path.join(out, "tiny.pt"))
 
 
+def data_files(out):
+    """torch.save data files as SubmitJob receives them, and one whose pickle announces a
+    4 GiB string (LibTorch's unpickler makes room for it before reading)."""
+    import zipfile
+    import torch
+
+    torch.manual_seed(0)
+    torch.save({"inputs": torch.randn(8, 4), "targets": torch.randn(8, 2)}, os.path.join(out, "tensor.pt"))
+    torch.save({"inputs": (torch.randn(6, 3), torch.ones(6, 3, dtype=torch.bool)), "targets": torch.arange(6)},
+               os.path.join(out, "tuple.pt"))
+    torch.save({"inputs": {"x": torch.randn(5, 2), "mask": torch.zeros(5, 2)}}, os.path.join(out, "dict.pt"))
+    torch.save({"inputs": torch.randn(4, 2), "targets": torch.randn(3, 2)}, os.path.join(out, "row-mismatch.pt"))
+    src = zipfile.ZipFile(os.path.join(out, "tensor.pt"))
+    with zipfile.ZipFile(os.path.join(out, "oom-pickle-string-length"), "w", zipfile.ZIP_STORED) as evil:
+        for n in src.namelist():
+            evil.writestr(n, b"\x80\x02X\x00\x00\x00\xf0" + b"a" * 16 if n.endswith("data.pkl") else src.read(n))
+
+
 def main():
     root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(HERE, "corpus")
-    for d, make in [("job_spec_fuzz", job_specs), ("wire_header_fuzz", wire_headers), ("model_fuzz", tiny_model)]:
+    for d, make in [("job_spec_fuzz", job_specs), ("wire_header_fuzz", wire_headers), ("model_fuzz", tiny_model),
+                    ("data_fuzz", data_files)]:
         path = os.path.join(root, d)
         os.makedirs(path, exist_ok=True)
         make(path)

@@ -1,11 +1,14 @@
 #include "pipeline/partition/model_io.h"
 
+#include <malloc.h>
+
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
 #include "absl/strings/match.h"
+#include "c10/core/CPUAllocator.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/status.h"
@@ -16,7 +19,9 @@
 #include "torch/csrc/jit/frontend/error_report.h"
 #include "torch/csrc/jit/serialization/export.h"
 #include "torch/csrc/jit/serialization/import.h"
+#include "torch/csrc/jit/serialization/import_read.h"
 #include "torch/csrc/jit/serialization/pickle.h"
+#include "torch/csrc/jit/serialization/storage_context.h"
 
 namespace pippy::partition {
 namespace {
@@ -90,6 +95,29 @@ torch::jit::Module LoadReportingSafely(const std::function<std::shared_ptr<caffe
   return torch::jit::load(std::make_shared<ViewReadAdapter>(stripped), c10::Device(c10::kCPU));
 }
 
+// torch::jit::load, like pickle_load, sizes each storage by the element count the
+// archive's pickle claims and fills it from the record, however short; there is no
+// storage-context hook to give it the records' sizes as PickleLoad does. A storage the
+// default CPU allocator made is a malloc'd block of the record's size, so glibc's
+// malloc_usable_size tells whether the claim fits in it (storages from elsewhere are
+// not checked).
+absl::Status CheckStorageAllocation(const at::Tensor& t, const std::string& where) {
+  if (!t.defined() || !t.has_storage()) return absl::OkStatus();
+  const c10::Storage& s = t.storage();
+  void* data = s.data_ptr().get();
+  if (data == nullptr || s.nbytes() == 0 || s.data_ptr().get_context() != data ||
+      s.data_ptr().get_deleter() != c10::GetCPUAllocator()->raw_deleter()) {
+    return absl::OkStatus();
+  }
+  const size_t have = malloc_usable_size(data);
+  if (have < s.nbytes()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": the archive claims ", s.nbytes(),
+                                                   " bytes for this tensor's storage but holds only ", have,
+                                                   " (corrupt archive, or not written by torch.jit.save)"));
+  }
+  return absl::OkStatus();
+}
+
 // Loads through `load` (from a file or from memory) and turns LibTorch's errors into
 // messages that say what the file is and what to do.
 absl::StatusOr<torch::jit::Module> LoadArchive(const std::string& name, absl::string_view head, uint64_t size,
@@ -121,6 +149,12 @@ absl::StatusOr<torch::jit::Module> LoadArchive(const std::string& name, absl::st
   if (!loaded->find_method("forward").has_value()) {
     return absl::InvalidArgumentError(
         absl::StrCat("'", name, "' has no forward() method: pippy splits forward()"));
+  }
+  for (const auto& a : loaded->named_attributes(/*recurse=*/true)) {
+    if (!a.value.isTensor()) continue;
+    const std::string where = absl::StrCat("'", name, "': ", a.name);
+    PIPPY_RETURN_IF_ERROR(CheckStorageAllocation(a.value.toTensor(), where));
+    PIPPY_RETURN_IF_ERROR(CheckTensorsInStorage(a.value, where));
   }
   return loaded;
 }
@@ -189,6 +223,82 @@ std::vector<std::string> ForwardArgumentNames(const torch::jit::Module& model) {
   return names;
 }
 
+namespace {
+
+absl::Status CheckTensor(const at::Tensor& t, const std::string& where) {
+  if (!t.defined() || t.numel() == 0) return absl::OkStatus();
+  if (!t.has_storage()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": a tensor without storage (corrupt file)"));
+  }
+  if (t.storage_offset() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": a negative storage offset (corrupt file)"));
+  }
+  // The farthest element, in elements from the storage's start, with overflow checks.
+  uint64_t last = static_cast<uint64_t>(t.storage_offset());
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    const int64_t size = t.size(d), stride = t.stride(d);
+    if (stride < 0) return absl::InvalidArgumentError(absl::StrCat(where, ": a negative stride (corrupt file)"));
+    const uint64_t reach = static_cast<uint64_t>(size - 1);
+    if (stride > 0 && reach > (UINT64_MAX - last) / static_cast<uint64_t>(stride)) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": sizes and strides overflow (corrupt file)"));
+    }
+    last += reach * static_cast<uint64_t>(stride);
+  }
+  const uint64_t item = static_cast<uint64_t>(t.element_size());
+  const uint64_t have = static_cast<uint64_t>(t.storage().nbytes());
+  if (last >= have / item) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": a tensor of shape [", absl::StrJoin(t.sizes(), ", "),
+                                                   "] reaches past its storage of ", have,
+                                                   " bytes (corrupt file, or not written by PyTorch)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckValue(const c10::IValue& v, const std::string& where, int depth) {
+  if (depth > 64) return absl::InvalidArgumentError(absl::StrCat(where, ": nested more than 64 levels deep"));
+  if (v.isTensor()) return CheckTensor(v.toTensor(), where);
+  if (v.isTuple()) {
+    const auto& elems = v.toTupleRef().elements();
+    for (size_t i = 0; i < elems.size(); ++i) {
+      PIPPY_RETURN_IF_ERROR(CheckValue(elems[i], absl::StrCat(where, "[", i, "]"), depth + 1));
+    }
+  } else if (v.isList()) {
+    const auto list = v.toListRef();
+    for (size_t i = 0; i < list.size(); ++i) {
+      PIPPY_RETURN_IF_ERROR(CheckValue(list[i], absl::StrCat(where, "[", i, "]"), depth + 1));
+    }
+  } else if (v.isGenericDict()) {
+    for (const auto& e : v.toGenericDict()) {
+      const std::string key = e.key().isString() ? e.key().toStringRef() : "?";
+      PIPPY_RETURN_IF_ERROR(CheckValue(e.value(), absl::StrCat(where, "[\"", key, "\"]"), depth + 1));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckTensorsInStorage(const c10::IValue& value, const std::string& what) {
+  return CheckValue(value, what, 0);
+}
+
+absl::StatusOr<c10::IValue> PickleLoad(absl::string_view bytes, const std::string& what) {
+  PIPPY_ASSIGN_OR_RETURN(c10::IValue value, TorchCall(what, [&] {
+    caffe2::serialize::PyTorchStreamReader reader(std::make_shared<ViewReadAdapter>(bytes));
+    auto storages = std::make_shared<torch::jit::DeserializationStorageContext>();
+    for (const std::string& name : reader.getAllRecords()) {
+      if (!absl::StartsWith(name, "data/")) continue;  // data/<key>: a storage's bytes
+      auto [data, size] = reader.getRecord(name);
+      storages->addStorage(name.substr(5), c10::Storage(c10::Storage::use_byte_size_t(), size, std::move(data),
+                                                        /*allocator=*/nullptr, /*resizable=*/false));
+    }
+    return torch::jit::readArchiveAndTensors("data", "", "", c10::nullopt, c10::nullopt, c10::nullopt, reader,
+                                             torch::jit::Unpickler::defaultTypeParser, storages);
+  }));
+  PIPPY_RETURN_IF_ERROR(CheckTensorsInStorage(value, what));
+  return value;
+}
+
 absl::StatusOr<c10::IValue> LoadTorchSaved(const std::string& path) {
   PIPPY_ASSIGN_OR_RETURN(std::string bytes, ReadFile(path));
   if (!IsZip(bytes)) {
@@ -196,8 +306,7 @@ absl::StatusOr<c10::IValue> LoadTorchSaved(const std::string& path) {
         "'", path, "' is not a file written by torch.save (expected its zip format; "
         "in Python: torch.save(value, path) with PyTorch >= 1.6)"));
   }
-  std::vector<char> data(bytes.begin(), bytes.end());
-  return TorchCall(absl::StrCat("reading '", path, "'"), [&] { return torch::jit::pickle_load(data); });
+  return PickleLoad(bytes, absl::StrCat("reading '", path, "'"));
 }
 
 absl::StatusOr<std::vector<c10::IValue>> ToForwardArguments(const c10::IValue& value,

@@ -45,8 +45,25 @@ std::vector<std::string> ForwardArgumentNames(const torch::jit::Module& model);
 absl::StatusOr<std::vector<c10::IValue>> LoadExampleInputs(const std::string& path,
                                                            const torch::jit::Module& model);
 
+// Reads what torch.save wrote (zip format), as torch::jit::pickle_load does, but with
+// every storage sized by the bytes its record holds: LibTorch 1.13 sizes a storage by
+// the element count the pickle claims and fills it from the record, however short
+// (a mutated data file then made reads run past the allocation: fuzz/data_fuzz). With
+// the true sizes, LibTorch's own bounds check (or CheckTensorsInStorage) refuses such
+// a tensor. Errors: INVALID_ARGUMENT (with `what`) for anything that does not load.
+absl::StatusOr<c10::IValue> PickleLoad(absl::string_view bytes, const std::string& what);
+
 // Reads any value written by torch.save (tensor, tuple, list, dict, number).
 absl::StatusOr<c10::IValue> LoadTorchSaved(const std::string& path);
+
+// Checks that every tensor in `value` (through tuples, lists and dicts) lies inside its
+// storage: non-negative strides, and storage offset plus the farthest element within
+// the storage's bytes. LibTorch's loaders take a file's sizes, strides and storage
+// sizes as written, so a corrupt file can describe a tensor larger than its storage,
+// which any read then overruns (found by fuzz/data_fuzz). LoadModel, LoadModelFromBytes
+// (parameters, buffers and tensor attributes), LoadTorchSaved and DataSource check it.
+// Errors: INVALID_ARGUMENT naming `what` and the tensor's place in it.
+absl::Status CheckTensorsInStorage(const c10::IValue& value, const std::string& what);
 
 // Maps a loaded value to forward()'s arguments (see LoadExampleInputs); `what`
 // names the value in messages.
