@@ -29,7 +29,9 @@ for bin in "$@"; do
   extra=()
   seconds=$SECONDS_EACH
   case "$t" in model_fuzz|split_fuzz|data_fuzz) extra=(-malloc_limit_mb=65536); seconds=$((SECONDS_EACH * 2)) ;; esac
-  "$bin" -max_total_time="$seconds" -timeout=20 -rss_limit_mb=4096 -print_final_stats=1 "${extra[@]}" \
+  # A fixed seed (PIPPY_FUZZ_SEED, default 1): the same mutations every run, so that a
+  # failure here reproduces; scripts/fuzz explores with fresh seeds.
+  "$bin" -seed="${PIPPY_FUZZ_SEED:-1}" -max_total_time="$seconds" -timeout=20 -rss_limit_mb=4096 -print_final_stats=1 "${extra[@]}" \
     -artifact_prefix="$OUT/$t-" "$WORK/$t" "$seeds" > "$log" 2>&1
   rc=$?
   runs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' || true)
