@@ -33,7 +33,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return 0;
   });
   if (in_child != pippy::fuzz::Child::kOk) return 0;
-  auto model = LoadModelFromBytes(absl::string_view(reinterpret_cast<const char*>(data), size), "fuzz.pt");
+  auto model = LoadModelFromBytes(bytes, "fuzz.pt");
   if (!model.ok()) return 0;
   (void)ListLegalCuts(*model);
   SplitOptions options;

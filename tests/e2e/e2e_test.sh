@@ -30,8 +30,6 @@ for i in 0 1 2 3; do
   pids+=($!)
   worker_pid[w$i]=$!
 done
-idle_workers() { ctl workers --output json | /usr/bin/python3 -c \
-  "import json,sys; print(sum(1 for w in json.load(sys.stdin).get('workers', []) if w['state']=='IDLE'))"; }
 for _ in $(seq 100); do [ "$(idle_workers)" = 4 ] && break; sleep 0.1; done
 [ "$(idle_workers)" = 4 ] && ok "4 workers registered" || bad "4 workers registered"
 # grpc.health.v1: the coordinator, and worker w0 on its --health-port.

@@ -44,8 +44,6 @@ start_worker() {  # [ENV=VALUE] -> name in $last_worker
 json_get() {  # JOB EXPR (python on the job record j)
   ctl status "$1" --output json 2>/dev/null | /usr/bin/python3 -c "import json,sys; j=json.load(sys.stdin); print($2)"
 }
-idle_workers() { ctl workers --output json | /usr/bin/python3 -c \
-  "import json,sys; print(sum(1 for w in json.load(sys.stdin).get('workers', []) if w['state']=='IDLE'))"; }
 registered_workers() { ctl workers --output json | /usr/bin/python3 -c \
   "import json,sys; print(' '.join(w['name'] for w in json.load(sys.stdin).get('workers', [])))"; }
 wait_idle() {  # N: exactly N workers registered, all idle

@@ -87,10 +87,8 @@ for ns in "$NS_W0" "$NS_W1"; do
   pids+=($!)
   i=$((i + 1))
 done
-idle() { ctl workers --output json 2>/dev/null | /usr/bin/python3 -c \
-  "import json,sys; print(sum(1 for w in json.load(sys.stdin).get('workers', []) if w['state']=='IDLE'))"; }
-for _ in $(seq 200); do [ "$(idle)" = 2 ] && break; sleep 0.1; done
-[ "$(idle)" = 2 ] && ok "2 workers registered from their own namespaces" || bad "workers registered: $(idle)"
+for _ in $(seq 200); do [ "$(idle_workers)" = 2 ] && break; sleep 0.1; done
+[ "$(idle_workers)" = 2 ] && ok "2 workers registered from their own namespaces" || bad "workers registered: $(idle_workers)"
 
 rx_bytes() { ip -n "$NS_W1" -s link show "v${tag}1" | awk '/RX:/{getline; print $1; exit}'; }
 rx_before=$(rx_bytes)

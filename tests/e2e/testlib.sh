@@ -1,6 +1,6 @@
 # Sourced by the end-to-end shell tests: pass/fail counting, the processes a test
 # starts (each appended to `pids`, each stopped by its own pid when the test exits:
-# SIGTERM, then SIGKILL half a second later), free ports, and the summary line whose
+# SIGTERM, then SIGKILL half a second later), idle workers, free ports, and the summary line whose
 # status is the test's.
 passed=0
 failed=0
@@ -13,6 +13,9 @@ stop_started() {
   for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
 }
 trap stop_started EXIT
+# Workers the coordinator lists as IDLE; the test defines ctl (pippyctl with its flags).
+idle_workers() { ctl workers --output json 2>/dev/null | /usr/bin/python3 -c \
+  "import json,sys; print(sum(1 for w in json.load(sys.stdin).get('workers', []) if w['state']=='IDLE'))"; }
 free_port() { /usr/bin/python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
 finish() {
   echo "$passed passed, $failed failed"

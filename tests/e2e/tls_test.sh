@@ -27,16 +27,14 @@ for i in 0 1; do
     --tls-key "$C/client.key" > "$TMP/w$i.log" 2>&1 &
   pids+=($!)
 done
-idle() { ctl workers --output json 2>/dev/null | /usr/bin/python3 -c \
-  "import json,sys; print(sum(1 for w in json.load(sys.stdin).get('workers', []) if w['state']=='IDLE'))"; }
-for _ in $(seq 150); do [ "$(idle)" = 2 ] && break; sleep 0.1; done
-[ "$(idle)" = 2 ] && ok "2 workers with client certificates registered over mTLS" || bad "workers over mTLS: $(idle)"
+for _ in $(seq 150); do [ "$(idle_workers)" = 2 ] && break; sleep 0.1; done
+[ "$(idle_workers)" = 2 ] && ok "2 workers with client certificates registered over mTLS" || bad "workers over mTLS: $(idle_workers)"
 
 # A worker without a client certificate: refused, says why, exits.
 timeout 30 "$WORKER" --coordinator "$ADDR" --name nocert --tls-ca "$C/ca.pem" > "$TMP/nocert.log" 2>&1
 rc=$?
 if [ "$rc" -ne 0 ] && grep -q "client certificate signed by the coordinator's --tls-client-ca" "$TMP/nocert.log" &&
-   [ "$(idle)" = 2 ]; then
+   [ "$(idle_workers)" = 2 ]; then
   ok "a worker without a client certificate is refused (exit $rc): $(tail -1 "$TMP/nocert.log" | cut -c1-160)"
 else
   bad "worker without a certificate: exit $rc, $(cat "$TMP/nocert.log")"
@@ -56,7 +54,7 @@ fi
 timeout 30 "$WORKER" --coordinator "$ADDR" --name wrongcert --tls-ca "$C/ca.pem" --tls-cert "$TMP/other/client.pem" \
   --tls-key "$TMP/other/client.key" --reconnect-timeout-s 0 > "$TMP/wrongcert.log" 2>&1
 rc=$?
-if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$(idle)" = 2 ] && grep -q "tls-client-ca signed --tls-cert" "$TMP/wrongcert.log" &&
+if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$(idle_workers)" = 2 ] && grep -q "tls-client-ca signed --tls-cert" "$TMP/wrongcert.log" &&
    ! ctl workers --output json 2>/dev/null | grep -q wrongcert; then
   ok "a worker with a client certificate from another CA is refused (exit $rc): $(tail -1 "$TMP/wrongcert.log" | cut -c1-140)"
 else
