@@ -109,6 +109,22 @@ void PrintJob(const Job& j) {
     std::cout << "; stage files " << absl::StrJoin(sizes, ", ");
   }
   std::cout << "\n";
+  if (j.spec().has_serving()) {
+    const ServingSpec& sv = j.spec().serving();
+    const ServingStats& st = j.serving();
+    std::cout << "  serving: micro-batches of up to " << sv.max_batch() << " rows or " << sv.max_delay_ms()
+              << " ms, " << (sv.max_inflight() > 0 ? sv.max_inflight() : j.plan().stages_size() + 1)
+              << " in the pipeline at most\n"
+              << absl::StrFormat("  requests %d (%d failed), rows %d, micro-batches %d (%.1f rows each), queued %d, "
+                                 "in flight %d\n",
+                                 st.requests(), st.failed(), st.rows(), st.microbatches(), st.mean_batch_rows(),
+                                 st.queued(), st.inflight());
+    if (st.requests() > 0) {
+      std::cout << absl::StrFormat("  latency p50 %.2f ms, p99 %.2f ms; %.1f requests/s (last %d requests)\n",
+                                   st.p50_ms(), st.p99_ms(), st.requests_per_second(),
+                                   std::min<int64_t>(st.requests(), 4096));
+    }
+  }
   if (j.spec().mode() == MODE_TRAIN) {
     const FaultToleranceSpec& ft = j.spec().fault_tolerance();
     std::cout << "  checkpoint: "
@@ -313,37 +329,45 @@ absl::Status Stream(grpc::ClientWriter<SubmitJobRequest>* writer, const std::str
   return absl::OkStatus();
 }
 
-int RunSubmit(const SubmitFlags& f, const GlobalFlags& g) {
-  auto spec = SpecFrom(f);
-  if (!spec.ok()) return Fail(kProgram, spec.status());
-  auto stub = Connect(g);
+// Submits the spec, the model and the data file (if any); returns the job's id.
+absl::StatusOr<std::string> Submit(Coordinator::Stub* stub, const JobSpec& spec, const std::string& model,
+                                   const std::string& data, const GlobalFlags& g) {
   grpc::ClientContext ctx;
   Authorize(&ctx, g);
   SubmitJobResponse resp;
   auto writer = stub->SubmitJob(&ctx, &resp);
   SubmitJobRequest first;
-  *first.mutable_spec() = *spec;
+  *first.mutable_spec() = spec;
   absl::Status streamed;
   if (writer->Write(first)) {
-    streamed = Stream(writer.get(), f.model, /*model=*/true);
-    if (streamed.ok() && !f.data.empty()) streamed = Stream(writer.get(), f.data, /*model=*/false);
+    streamed = Stream(writer.get(), model, /*model=*/true);
+    if (streamed.ok() && !data.empty()) streamed = Stream(writer.get(), data, /*model=*/false);
   }
   if (!streamed.ok()) {
     ctx.TryCancel();
     writer->Finish();
-    return Fail(kProgram, streamed);
+    return streamed;
   }
   writer->WritesDone();
   grpc::Status s = writer->Finish();
-  if (!s.ok()) return Fail(kProgram, FromGrpc(s, g.coordinator));
-  const bool json = g.output == "json";
-  if (json) {
+  if (!s.ok()) return FromGrpc(s, g.coordinator);
+  if (g.output == "json") {
     std::cout << "{\"job_id\": \"" << resp.job_id() << "\"}" << std::endl;
   } else {
     std::cout << resp.job_id() << std::endl;
   }
+  return resp.job_id();
+}
+
+int RunSubmit(const SubmitFlags& f, const GlobalFlags& g) {
+  auto spec = SpecFrom(f);
+  if (!spec.ok()) return Fail(kProgram, spec.status());
+  auto stub = Connect(g);
+  absl::StatusOr<std::string> id = Submit(stub.get(), *spec, f.model, f.data, g);
+  if (!id.ok()) return Fail(kProgram, id.status());
+  const bool json = g.output == "json";
   if (!f.wait) return kExitOk;
-  auto job = Watch(stub.get(), resp.job_id(), g);
+  auto job = Watch(stub.get(), *id, g);
   if (!job.ok()) return Fail(kProgram, job.status());
   if (!json) PrintJob(*job);
   return JobExitCode(*job);
@@ -413,6 +437,142 @@ void AddSubmit(CLI::App& root, const GlobalFlags& g, int* exit_code) {
       ->check(cli::Positive());
   cmd->add_flag("--wait", f->wait, "follow the job until it ends; exit 0 only if it SUCCEEDED");
   cmd->callback([f, &g, exit_code] { *exit_code = RunSubmit(*f, g); });
+}
+
+// ---- serve, infer -----------------------------------------------------------------
+
+struct ServeFlags {
+  std::string model, data, synthetic, name, balance = "params";
+  int stages = 0, max_batch = 0, max_inflight = 0;
+  std::vector<std::string> split_at;
+  std::optional<int> max_delay_ms;
+  uint64_t seed = 0;
+  bool wait = false;
+  double wait_timeout_s = 600;
+};
+
+int RunServe(const ServeFlags& f, const GlobalFlags& g) {
+  JobSpec spec;
+  spec.set_name(f.name.empty() ? std::filesystem::path(f.model).stem().string() : f.name);
+  spec.mutable_split()->set_stages(f.stages);
+  for (const std::string& p : f.split_at) spec.mutable_split()->add_split_at(p);
+  auto balance = job::ParseBalance(f.balance);
+  if (!balance.ok()) return Fail(kProgram, balance.status());
+  spec.mutable_split()->set_balance(*balance);
+  ServingSpec* sv = spec.mutable_serving();
+  sv->set_max_batch(f.max_batch);
+  if (f.max_delay_ms) sv->set_max_delay_ms(*f.max_delay_ms);
+  sv->set_max_inflight(f.max_inflight);
+  if (!f.data.empty()) spec.mutable_data()->set_file(std::filesystem::path(f.data).filename().string());
+  spec.mutable_data()->set_synthetic(f.synthetic);
+  spec.set_seed(f.seed);
+  if (f.data.empty() && f.synthetic.empty()) {
+    return Fail(kProgram, absl::InvalidArgumentError(
+                              "serve needs an example input to split the model with: --example F (a request's input "
+                              "or a data file) or --synthetic SPEC"));
+  }
+  JobSpec checked = spec;
+  absl::Status ok = job::CheckSpec(&checked);
+  if (!ok.ok()) return Fail(kProgram, ok);
+  auto stub = Connect(g);
+  absl::StatusOr<std::string> id = Submit(stub.get(), spec, f.model, f.data, g);
+  if (!id.ok()) return Fail(kProgram, id.status());
+  if (!f.wait) return kExitOk;
+  // Until its stages are loaded and it answers requests.
+  const absl::Time deadline = absl::Now() + absl::Seconds(f.wait_timeout_s);
+  while (true) {
+    grpc::ClientContext ctx;
+    Authorize(&ctx, g);
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    GetJobRequest req;
+    req.set_job_id(*id);
+    Job job;
+    grpc::Status s = stub->GetJob(&ctx, req, &job);
+    if (!s.ok()) return Fail(kProgram, FromGrpc(s, g.coordinator));
+    if (job.state() == SERVING) return kExitOk;
+    if (Terminal(job.state())) {
+      return Fail(kProgram, absl::FailedPreconditionError(absl::StrCat("serving job ", *id, " ended ",
+                                                                        JobState_Name(job.state()), ": ", job.reason())));
+    }
+    if (absl::Now() > deadline) {
+      return Fail(kProgram, absl::DeadlineExceededError(absl::StrCat(
+                                "serving job ", *id, " is still ", JobState_Name(job.state()), " after ",
+                                f.wait_timeout_s, " s (--wait-timeout-s); pippyctl status ", *id, " says why")));
+    }
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+}
+
+void AddServe(CLI::App& root, const GlobalFlags& g, int* exit_code) {
+  auto f = std::make_shared<ServeFlags>();
+  CLI::App* cmd = root.add_subcommand(
+      "serve", "Start a serving job: the model split into stages that stay loaded on their workers, answering "
+               "Infer requests (pippyctl infer, the Python client, the gRPC API) until pippyctl cancel. Requests are "
+               "grouped into micro-batches of up to --max-batch rows or --max-delay-ms, bucketed by shape (never "
+               "padded), and pushed through the pipeline back to back. Prints the job's id.");
+  cmd->fallthrough();
+  cmd->add_option("MODEL", f->model, "the TorchScript file (torch.jit.script(model).save(path))")
+      ->required()
+      ->check(CLI::ExistingFile);
+  auto* data = cmd->add_option("--example", f->data,
+                               "an example input to split the model with: torch.save of forward()'s arguments (a "
+                               "tensor, tuple or dict, as a request's input) or a data file")
+                   ->check(CLI::ExistingFile);
+  auto* synthetic = cmd->add_option("--synthetic", f->synthetic,
+                                    "or an example made by the coordinator: \"inputs=float32[8,1024]\"");
+  data->excludes(synthetic);
+  cmd->add_option("--stages", f->stages, "split automatically into this many stages")->check(cli::Positive());
+  cmd->add_option("--split-at", f->split_at, "or cut before these modules (see pippyctl split --help)")
+      ->delimiter(',');
+  cmd->add_option("--balance", f->balance, "what an automatic split equalises: params | flops | time")
+      ->check(CLI::IsMember({"params", "flops", "time"}))->capture_default_str();
+  cmd->add_option("--max-batch", f->max_batch, "rows per micro-batch (default 32)")->check(cli::Positive());
+  cmd->add_option("--max-delay-ms", f->max_delay_ms,
+                  "how long the oldest waiting request may wait for others to share its micro-batch (default 5; "
+                  "0: send at once)")
+      ->check(CLI::Range(0, 60000));
+  cmd->add_option("--max-inflight", f->max_inflight,
+                  "micro-batches in the pipeline at once (default: stages + 1; 1: one at a time)")
+      ->check(CLI::Range(1, 1024));
+  cmd->add_option("--name", f->name, "the job's name, by which pippyctl infer finds it (default: the model file's)");
+  cmd->add_option("--seed", f->seed, "seeds each rank's random number generator")->capture_default_str();
+  cmd->add_flag("--wait", f->wait, "return once the job is SERVING (exit 1 if it failed first)");
+  cmd->add_option("--wait-timeout-s", f->wait_timeout_s, "how long --wait waits")
+      ->check(cli::Positive())->capture_default_str();
+  cmd->callback([f, &g, exit_code] { *exit_code = RunServe(*f, g); });
+}
+
+int RunInfer(const std::string& job, const std::string& input, const std::string& out, double timeout_s,
+             const GlobalFlags& g) {
+  std::ifstream in(input, std::ios::binary);
+  if (!in) return Fail(kProgram, absl::NotFoundError(absl::StrCat("cannot open '", input, "'")));
+  InferRequest req;
+  req.set_job(job);
+  req.set_input(std::string(std::istreambuf_iterator<char>(in), {}));
+  auto stub = Connect(g);
+  grpc::ClientContext ctx;
+  Authorize(&ctx, g);
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+  InferResponse resp;
+  const absl::Time start = absl::Now();
+  grpc::Status s = stub->Infer(&ctx, req, &resp);
+  const double ms = absl::ToDoubleMilliseconds(absl::Now() - start);
+  if (!s.ok()) return Fail(kProgram, FromGrpc(s, g.coordinator));
+  if (!out.empty()) {
+    std::ofstream f(out, std::ios::binary | std::ios::trunc);
+    f.write(resp.output().data(), static_cast<std::streamsize>(resp.output().size()));
+    f.close();
+    if (!f) return Fail(kProgram, absl::UnavailableError(absl::StrCat("cannot write '", out, "'")));
+  }
+  if (g.output == "json") {
+    resp.clear_output();
+    std::cout << Json(resp) << std::endl;
+  } else {
+    std::cout << absl::StrFormat("%d rows in %.2f ms (queued %.2f ms, pipeline %.2f ms, in a micro-batch of %d rows)%s\n",
+                                 resp.rows(), ms, resp.queue_ms(), resp.pipeline_ms(), resp.microbatch_rows(),
+                                 out.empty() ? "" : absl::StrCat(" -> ", out));
+  }
+  return kExitOk;
 }
 
 // ---- list, workers, status, cancel, watch, fetch --------------------------------
@@ -638,7 +798,24 @@ int RunHealth(const std::string& target, const std::string& service, double time
 
 void AddRemoteCommands(CLI::App& root, const GlobalFlags& globals, int* exit_code) {
   AddSubmit(root, globals, exit_code);
+  AddServe(root, globals, exit_code);
   const GlobalFlags* g = &globals;
+  auto infer = std::make_shared<std::tuple<std::string, std::string, std::string, double>>("", "", "", 60.0);
+  CLI::App* infer_cmd = root.add_subcommand(
+      "infer", "One request to a serving job: its output (the request's own rows of forward()'s result, a torch.save "
+               "file) goes to -o");
+  infer_cmd->fallthrough();
+  infer_cmd->add_option("JOB", std::get<0>(*infer), "the serving job's id or name")->required();
+  infer_cmd->add_option("--input", std::get<1>(*infer),
+                        "torch.save of forward()'s arguments (a tensor, tuple or dict), rows along dim 0")
+      ->required()
+      ->check(CLI::ExistingFile);
+  infer_cmd->add_option("-o,--out", std::get<2>(*infer), "where to write the output (torch.load reads it)");
+  infer_cmd->add_option("--timeout-s", std::get<3>(*infer), "the request's deadline")
+      ->check(cli::Positive())->capture_default_str();
+  infer_cmd->callback([g, infer, exit_code] {
+    *exit_code = RunInfer(std::get<0>(*infer), std::get<1>(*infer), std::get<2>(*infer), std::get<3>(*infer), *g);
+  });
   CLI::App* list = root.add_subcommand("list", "Jobs and their states, oldest first");
   list->fallthrough();
   list->callback([g, exit_code] { *exit_code = RunList(*g); });

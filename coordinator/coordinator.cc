@@ -56,6 +56,7 @@ void Coordinator::RestoreJobs() {
     if (sscanf(job.job_id().c_str(), "job-%ld", &n) == 1) next_job_ = std::max(next_job_, n + 1);
     if (Terminal(job.state())) continue;
     const std::string& id = job.job_id();
+    if (job.spec().has_serving()) e.serving = MakeServingQueue(job);
     e.stage_to_rank.assign(job.stage_ranks().begin(), job.stage_ranks().end());
     e.per_replica =
         e.stage_to_rank.empty() ? 0 : *std::max_element(e.stage_to_rank.begin(), e.stage_to_rank.end()) + 1;
@@ -226,6 +227,7 @@ absl::StatusOr<std::string> Coordinator::SubmitJob(const JobSpec& spec, std::uni
     for (int r : prepared->stage_to_rank) entry.job.add_stage_ranks(r);
     entry.share_bytes = prepared->share_bytes;
     entry.stages = prepared->stages;
+    if (prepared->spec.has_serving()) entry.serving = MakeServingQueue(entry.job);
     Touch(entry);
     jobs_[id] = std::move(entry);
     log::Info("job={} accepted: {} stages on {} workers{}, schedule {}", id, prepared->plan.stages_size(), need,
@@ -348,13 +350,99 @@ absl::StatusOr<Job> Coordinator::GetJob(const std::string& job_id) {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job '", job_id, "' (pippyctl list shows them)"));
-  return it->second.job;
+  return View(it->second);
+}
+
+Job Coordinator::View(const JobEntry& e) {
+  if (e.serving == nullptr) return e.job;
+  Job j = e.job;
+  *j.mutable_serving() = e.serving->Stats();
+  return j;
+}
+
+std::shared_ptr<ServingQueue> Coordinator::MakeServingQueue(const Job& job) {
+  ServingQueue::Options o;
+  o.job_id = job.job_id();
+  const ServingSpec& sv = job.spec().serving();
+  o.max_batch = sv.max_batch();
+  o.max_delay = absl::Milliseconds(sv.max_delay_ms());
+  o.max_inflight = sv.max_inflight() > 0 ? sv.max_inflight() : job.plan().stages_size() + 1;
+  for (const ModelValue& v : job.plan().inputs()) {
+    o.input_names.push_back(v.name());
+    o.input_dtypes.push_back(v.has_example() ? v.example().dtype() : "");
+    o.input_dims.push_back(v.has_example() ? v.example().shape_size() : -1);
+  }
+  return std::make_shared<ServingQueue>(o);
+}
+
+void Coordinator::StartServing(JobEntry& e) {
+  absl::StatusOr<schedule::Schedule> sched = job::ScheduleFor(e.job.spec(), e.job.plan());
+  if (!sched.ok()) return;  // checked at submission
+  std::vector<std::vector<int>> needs;
+  std::vector<std::shared_ptr<WorkerChannel>> channels;
+  for (int r = 0; r < e.ranks && r < e.job.workers_size(); ++r) {
+    needs.push_back(job::DataNeedsOf(e.job.spec(), e.job.plan(), *sched, r).inputs);
+    channels.push_back(workers_[e.job.workers(r)].channel);
+  }
+  const std::string job_id = e.job.job_id();
+  const int attempt = e.job.attempt();
+  e.serving->Start(attempt, std::move(needs),
+                   [job_id, attempt, channels](int64_t step, const std::vector<std::string>& inputs, int64_t rows) {
+                     bool ok = true;
+                     for (size_t r = 0; r < channels.size(); ++r) {
+                       CoordinatorMessage m;
+                       ServeBatch* b = m.mutable_serve();
+                       b->set_job_id(job_id);
+                       b->set_attempt(attempt);
+                       b->set_step(step);
+                       b->set_rows(rows);
+                       if (r < inputs.size()) b->set_inputs(inputs[r]);
+                       ok = channels[r]->Send(m) && ok;
+                     }
+                     return ok;
+                   });
+}
+
+absl::Status Coordinator::Infer(const std::string& job, std::string input, ServingQueue::Done done) {
+  std::shared_ptr<ServingQueue> queue;
+  {
+    absl::MutexLock lock(&mu_);
+    const JobEntry* found = nullptr;
+    auto it = jobs_.find(job);
+    if (it != jobs_.end()) {
+      found = &it->second;
+    } else {
+      // By name: the newest serving job so named that has not ended, else the newest.
+      for (const auto& [id, e] : jobs_) {
+        if (e.job.spec().name() != job || !e.job.spec().has_serving()) continue;
+        const bool better = found == nullptr || (Terminal(found->job.state()) && !Terminal(e.job.state())) ||
+                            (Terminal(found->job.state()) == Terminal(e.job.state()) &&
+                             e.job.created_unix_ms() >= found->job.created_unix_ms());
+        if (better) found = &e;
+      }
+    }
+    if (found == nullptr) {
+      return absl::NotFoundError(absl::StrCat("no serving job '", job,
+                                              "' (pippyctl list shows the jobs; pippyctl serve starts one)"));
+    }
+    if (!found->job.spec().has_serving()) {
+      return absl::FailedPreconditionError(absl::StrCat("job ", found->job.job_id(), " is not a serving job (pippyctl "
+                                                        "serve starts one; inference jobs read a data file)"));
+    }
+    if (Terminal(found->job.state())) {
+      return absl::FailedPreconditionError(absl::StrCat("serving job ", found->job.job_id(), " ended (",
+                                                        JobState_Name(found->job.state()), ": ", found->job.reason(),
+                                                        "); serve the model again"));
+    }
+    queue = found->serving;
+  }
+  return queue->Submit(std::move(input), std::move(done));
 }
 
 std::vector<Job> Coordinator::ListJobs() {
   absl::MutexLock lock(&mu_);
   std::vector<Job> out;
-  for (const auto& [id, e] : jobs_) out.push_back(e.job);
+  for (const auto& [id, e] : jobs_) out.push_back(View(e));
   std::sort(out.begin(), out.end(), [](const Job& a, const Job& b) { return a.created_unix_ms() < b.created_unix_ms(); });
   return out;
 }
@@ -369,7 +457,7 @@ absl::StatusOr<Job> Coordinator::WaitForChange(const std::string& job_id, int64_
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job '", job_id, "'"));
   *version = it->second.version;
-  return it->second.job;
+  return View(it->second);
 }
 
 absl::StatusOr<Job> Coordinator::CancelJob(const std::string& job_id, const std::string& user) {
@@ -524,6 +612,11 @@ void Coordinator::Finish(JobEntry& e, JobState state, const std::string& reason,
   e.job.set_reason(reason);
   e.stop->store(true);
   log::Info("job={} {}{}", e.job.job_id(), JobState_Name(state), reason.empty() ? "" : ": " + reason);
+  if (e.serving != nullptr) {
+    e.serving->Stop(absl::UnavailableError(absl::StrCat("serving job ", e.job.job_id(), " ended (",
+                                                        JobState_Name(state), reason.empty() ? "" : ": " + reason,
+                                                        ")")));
+  }
   queue_.erase(std::remove(queue_.begin(), queue_.end(), e.job.job_id()), queue_.end());
   for (const std::string& wid : e.job.workers()) {
     auto w = workers_.find(wid);
@@ -564,6 +657,11 @@ void Coordinator::Recover(JobEntry& e, const std::string& what, Outbox* out) {
     m.mutable_cancel()->set_reason(absl::StrCat("restarting the job: ", what));
     m.mutable_cancel()->set_attempt(w->second.attempt);
     out->emplace_back(w->second.channel, m);
+  }
+  if (e.serving != nullptr) {
+    // Requests in the pipeline are lost with it; queued ones wait for the restart.
+    e.serving->Pause(absl::UnavailableError(absl::StrCat("serving job ", id, " lost its pipeline (", what,
+                                                         "); it restarts on other workers: try again")));
   }
   e.job.set_restarts(e.job.restarts() + 1);
   e.job.set_attempt(e.job.attempt() + 1);
@@ -848,6 +946,17 @@ void Coordinator::OnWorkerMessage(const std::string& worker_id, const WorkerMess
     OnResultChunk(m.output().job_id(), m.output().attempt(), -1, m.output().chunk(), m.output().last_chunk());
   } else if (m.has_checkpoint()) {
     OnCheckpointChunk(m.checkpoint());
+  } else if (m.has_serve_result()) {
+    std::shared_ptr<ServingQueue> queue;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = jobs_.find(m.serve_result().job_id());
+      if (it != jobs_.end()) queue = it->second.serving;
+      auto w = workers_.find(worker_id);
+      if (w != workers_.end()) w->second.last_heartbeat = absl::Now();
+    }
+    if (queue != nullptr) queue->OnResult(m.serve_result());
+    return;
   }
   Outbox out;
   std::string assemble_job;
@@ -902,8 +1011,9 @@ void Coordinator::OnWorkerMessage(const std::string& worker_id, const WorkerMess
             }
             out.emplace_back(workers_[e.job.workers(g)].channel, p);
           }
-          e.job.set_state(RUNNING);
-          log::Info("job={} running: {} ranks connected{}", job_id, e.ranks,
+          e.job.set_state(e.serving != nullptr ? SERVING : RUNNING);
+          if (e.serving != nullptr) StartServing(e);
+          log::Info("job={} {}: {} ranks connected{}", job_id, e.serving != nullptr ? "serving" : "running", e.ranks,
                     e.job.attempt() > 0 ? absl::StrCat(" (attempt ", e.job.attempt(), ", from step ",
                                                        e.job.checkpoint_step(), ")")
                                         : "");

@@ -59,6 +59,7 @@
 #include "coordinator/artifact_store.h"
 #include "coordinator/job_preparation.h"
 #include "coordinator/job_store.h"
+#include "coordinator/serving.h"
 #include "coordinator/task_runner.h"
 #include "common/metrics.h"
 #include "proto/coordinator.pb.h"
@@ -118,6 +119,12 @@ class Coordinator {
   // actions. The coordinator keeps the last few steps of each job.
   // Errors: NOT_FOUND for an unknown job or a step no longer (or not yet) held.
   absl::StatusOr<StepTrace> GetTrace(const std::string& job_id, int step);
+  // One request to a serving job (`job`: its id, or the name of the newest serving job
+  // so named): queued, and answered through `done` (exactly once when OK is returned;
+  // see ServingQueue). Requests that come while the job is still being placed, or is
+  // RECOVERING, wait for it to serve. Errors: NOT_FOUND; FAILED_PRECONDITION for a job
+  // that is not a serving job or has ended; ServingQueue::Submit's.
+  absl::Status Infer(const std::string& job, std::string input, ServingQueue::Done done);
 
   // Prometheus text exposition of the coordinator's state (jobs and workers by state,
   // steps, samples, step times, data-plane bytes the ranks reported, heartbeat and
@@ -156,6 +163,8 @@ class Coordinator {
     std::shared_ptr<const PreparedStages> stages;
     // Set when the job ends: its file senders stop.
     std::shared_ptr<std::atomic<bool>> stop = std::make_shared<std::atomic<bool>>(false);
+    // A serving job's requests (spec.serving set), for the job's whole life.
+    std::shared_ptr<ServingQueue> serving;
   };
   struct WorkerEntry {
     int attempt = 0;  // of the job it holds
@@ -215,6 +224,11 @@ class Coordinator {
   // Fails the job if it is still at `attempt` (a placement that could not be sent).
   void FailAttempt(const std::string& job_id, int attempt, const std::string& reason);
   void Touch(JobEntry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The job as the API shows it (with a serving job's counters).
+  static Job View(const JobEntry& entry);
+  static std::shared_ptr<ServingQueue> MakeServingQueue(const Job& job);
+  // All ranks of a serving job are connected: requests start to flow to them.
+  void StartServing(JobEntry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // All ranks finished: assemble the trained model (or publish the outputs) on a task
   // thread, then end the job.
   void Assemble(const std::string& job_id, bool inference, int stages);

@@ -1,5 +1,8 @@
 #include "coordinator/grpc_service.h"
 
+#include <deque>
+#include <thread>
+
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/log.h"
@@ -194,6 +197,106 @@ grpc::Status CoordinatorGrpc::GetTrace(grpc::ServerContext* context, const GetTr
   if (!trace.ok()) return ToGrpc(trace.status());
   *response = std::move(*trace);
   return grpc::Status::OK;
+}
+
+namespace {
+
+InferResponse ResponseOf(const std::string& request_id, ServingQueue::Answer a) {
+  InferResponse r;
+  r.set_request_id(request_id);
+  r.set_code(static_cast<int>(a.status.code()));
+  r.set_error(std::string(a.status.message()));
+  r.set_output(std::move(a.output));
+  r.set_rows(a.rows);
+  r.set_queue_ms(a.queue_ms);
+  r.set_pipeline_ms(a.pipeline_ms);
+  r.set_microbatch_rows(a.microbatch_rows);
+  return r;
+}
+
+}  // namespace
+
+grpc::Status CoordinatorGrpc::Infer(grpc::ServerContext* context, const InferRequest* request,
+                                    InferResponse* response) {
+  auto user = Authenticate(context);
+  if (!user.ok()) return ToGrpc(user.status());
+  if (request->job().empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "job: missing (an id or a name)");
+  struct Wait {
+    absl::Mutex mu;
+    bool done ABSL_GUARDED_BY(mu) = false;
+    ServingQueue::Answer answer ABSL_GUARDED_BY(mu);
+  };
+  auto wait = std::make_shared<Wait>();
+  absl::Status queued = logic_->Infer(request->job(), request->input(), [wait](ServingQueue::Answer a) {
+    absl::MutexLock lock(&wait->mu);
+    wait->answer = std::move(a);
+    wait->done = true;
+  });
+  if (!queued.ok()) return ToGrpc(queued);
+  absl::MutexLock lock(&wait->mu);
+  // Every request is answered (the job's end fails what is left); the client's cancel
+  // or deadline ends the wait sooner.
+  while (!wait->mu.AwaitWithTimeout(absl::Condition(&wait->done), absl::Milliseconds(100))) {
+    if (context->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
+  }
+  if (!wait->answer.status.ok()) return ToGrpc(wait->answer.status);
+  *response = ResponseOf(request->request_id(), std::move(wait->answer));
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorGrpc::InferStream(grpc::ServerContext* context,
+                                          grpc::ServerReaderWriter<InferResponse, InferRequest>* stream) {
+  auto user = Authenticate(context);
+  if (!user.ok()) return ToGrpc(user.status());
+  struct Out {
+    absl::Mutex mu;
+    std::deque<InferResponse> ready ABSL_GUARDED_BY(mu);
+    int outstanding ABSL_GUARDED_BY(mu) = 0;  // queued requests not yet answered
+    bool reading ABSL_GUARDED_BY(mu) = true;
+  };
+  auto out = std::make_shared<Out>();
+  std::thread writer([out, stream, context] {
+    while (true) {
+      InferResponse r;
+      {
+        absl::MutexLock lock(&out->mu);
+        auto ready = [&out]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(out->mu) {
+          return !out->ready.empty() || (!out->reading && out->outstanding == 0);
+        };
+        if (!out->mu.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(100))) {
+          if (context->IsCancelled()) return;
+          continue;
+        }
+        if (out->ready.empty()) return;  // all read and answered
+        r = std::move(out->ready.front());
+        out->ready.pop_front();
+      }
+      if (!stream->Write(r)) return;
+    }
+  });
+  InferRequest req;
+  while (stream->Read(&req)) {
+    {
+      absl::MutexLock lock(&out->mu);
+      ++out->outstanding;
+    }
+    const std::string id = req.request_id();
+    auto answer = [out, id](ServingQueue::Answer a) {
+      InferResponse r = ResponseOf(id, std::move(a));
+      absl::MutexLock lock(&out->mu);
+      out->ready.push_back(std::move(r));
+      --out->outstanding;
+    };
+    absl::Status queued = req.job().empty() ? absl::InvalidArgumentError("job: missing (an id or a name)")
+                                            : logic_->Infer(req.job(), std::move(*req.mutable_input()), answer);
+    if (!queued.ok()) answer(ServingQueue::Answer{queued});
+  }
+  {
+    absl::MutexLock lock(&out->mu);
+    out->reading = false;
+  }
+  writer.join();
+  return context->IsCancelled() ? grpc::Status(grpc::StatusCode::CANCELLED, "the client went away") : grpc::Status::OK;
 }
 
 grpc::Status WorkerHubGrpc::Connect(grpc::ServerContext* context,

@@ -38,6 +38,12 @@ class CoordinatorGrpc final : public pippy::Coordinator::Service {
                           grpc::ServerWriter<ModelChunk>* writer) override;
   grpc::Status ListWorkers(grpc::ServerContext* context, const ListWorkersRequest*, ListWorkersResponse* response) override;
   grpc::Status GetTrace(grpc::ServerContext* context, const GetTraceRequest* request, StepTrace* response) override;
+  // Serving: the handler waits for the answer (or the client's cancel or deadline).
+  grpc::Status Infer(grpc::ServerContext* context, const InferRequest* request, InferResponse* response) override;
+  // Requests are read as they come; answers are written by a writer thread of the call
+  // as they complete (so a slow reader never holds up the pipeline's results).
+  grpc::Status InferStream(grpc::ServerContext* context,
+                           grpc::ServerReaderWriter<InferResponse, InferRequest>* stream) override;
 
  private:
   // The caller's user ("" without auth). Errors: UNAUTHENTICATED, logged with the

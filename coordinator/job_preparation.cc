@@ -140,7 +140,10 @@ absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::stri
   // The data, and its first micro-batch as the example that checks it fits.
   PIPPY_ASSIGN_OR_RETURN(std::string data_bytes, DataBytes(spec, dir));
   const std::vector<std::string> names = partition::ForwardArgumentNames(model);
-  PIPPY_ASSIGN_OR_RETURN(stage::DataSource data, stage::DataSource::FromBytes(data_bytes, names));
+  absl::StatusOr<stage::DataSource> data_or = spec.has_serving()
+                                                  ? stage::DataSource::FromExampleBytes(data_bytes, names)
+                                                  : stage::DataSource::FromBytes(data_bytes, names);
+  PIPPY_ASSIGN_OR_RETURN(stage::DataSource data, std::move(data_or));
   data_bytes.clear();
   data_bytes.shrink_to_fit();
   if (train && !data.has_targets()) return Bad("data", "training needs \"targets\" in the data file");
@@ -181,6 +184,7 @@ absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::stri
   out.stages = std::make_shared<StagesInMemory>(model, std::move(pipe->stages));
   for (int r = 0; r < out.ranks; ++r) {
     job::DataNeeds needs = job::DataNeedsOf(spec, out.plan, sched, r);
+    if (spec.has_serving()) needs = job::DataNeeds();  // the example is not served; requests bring the inputs
     PIPPY_ASSIGN_OR_RETURN(std::string share, data.ShareBytes(needs.inputs, needs.targets));
     const std::string path = absl::StrCat(dir, "/", ArtifactStore::ShareFileName(r));
     std::ofstream f(path, std::ios::binary | std::ios::trunc);

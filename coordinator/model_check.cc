@@ -76,7 +76,7 @@ int RunModelCheck(const std::string& path, const std::string& data_path) {
   std::fflush(stdout);
   absl::StatusOr<std::string> bytes = partition::ReadFile(data_path);
   absl::Status data = bytes.status();
-  if (bytes.ok()) data = stage::DataSource::FromBytes(*bytes, partition::ForwardArgumentNames(*model)).status();
+  if (bytes.ok()) data = stage::DataSource::FromExampleBytes(*bytes, partition::ForwardArgumentNames(*model)).status();
   if (!data.ok()) {
     Say(data);
     return 4;

@@ -6,6 +6,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <chrono>
 #include <map>
 #include <thread>
@@ -300,6 +301,7 @@ class Agent {
       job_id_ = m.assignment().job_id();
       attempt_ = m.assignment().attempt();
       cancelled_ = false;
+      serve_queue_.clear();
       peers_.clear();
       replica_peers_.clear();
       log::Info("job={} rank={}: receiving {} stage(s) and {} bytes of data{}", job_id_, m.assignment().rank(),
@@ -325,6 +327,10 @@ class Agent {
       if (m.peers().job_id() != job_id_ || m.peers().attempt() != attempt_) return;
       peers_.assign(m.peers().ucx_addresses().begin(), m.peers().ucx_addresses().end());
       replica_peers_.assign(m.peers().gloo_addresses().begin(), m.peers().gloo_addresses().end());
+    } else if (m.has_serve()) {
+      absl::MutexLock lock(&mu_);
+      if (m.serve().job_id() != job_id_ || m.serve().attempt() != attempt_) return;
+      serve_queue_.push_back(m.serve());
     } else if (m.has_cancel()) {
       {
         absl::MutexLock lock(&mu_);
@@ -505,6 +511,72 @@ class Agent {
     return sent.status();
   }
 
+  // A serving job's rank: runs each micro-batch the coordinator sends (ServeBatch, in
+  // step order) as soon as it comes, without waiting for later ranks to finish earlier
+  // ones; the last stage's rank returns each output (ServeResult). A micro-batch whose
+  // inputs do not fit the model is abandoned on every rank (ABORTED) and serving goes
+  // on; any other error, or a cancel, ends the rank.
+  absl::Status Serve(const Assignment& a, job::RankJob& rank_job) {
+    const int inputs = a.plan().inputs_size();
+    const bool last = rank_job.schedule().stage_to_rank.back() == a.rank();
+    log::Info("job={} rank={}: serving", a.job_id(), a.rank());
+    auto report = [&](int64_t step, const absl::StatusOr<stage::StepResult>& res) {
+      WorkerMessage m;
+      ServeResult* r = m.mutable_serve_result();
+      r->set_job_id(a.job_id());
+      r->set_attempt(a.attempt());
+      r->set_step(step);
+      r->set_ok(res.ok());
+      if (!res.ok()) {
+        r->set_aborted(absl::IsAborted(res.status()));
+        r->set_error(std::string(res.status().message()));
+      } else {
+        r->set_seconds(res->step_seconds);
+        std::vector<char> bytes = torch::jit::pickle_save(res->output);
+        r->set_output(bytes.data(), bytes.size());
+      }
+      return Write(m);
+    };
+    while (true) {
+      ServeBatch batch;
+      {
+        absl::MutexLock lock(&mu_);
+        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !serve_queue_.empty() || cancelled_; };
+        // Idle until the next micro-batch; a lost coordinator cancels the rank.
+        while (!mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Seconds(1))) {
+        }
+        if (cancelled_) return absl::CancelledError("serving stopped");
+        batch = std::move(serve_queue_.front());
+        serve_queue_.pop_front();
+      }
+      std::vector<c10::IValue> args(static_cast<size_t>(inputs));
+      if (!batch.inputs().empty()) {
+        absl::StatusOr<c10::IValue> v = partition::PickleLoad(batch.inputs(), "a serving micro-batch");
+        if (!v.ok()) return v.status();
+        if (!v->isTuple() || v->toTupleRef().elements().size() != args.size()) {
+          return absl::InternalError(absl::StrCat("step ", batch.step(), ": the coordinator sent ", v->tagKind(),
+                                                  " instead of a tuple of ", args.size(), " input(s)"));
+        }
+        args = v->toTupleRef().elements().vec();
+      }
+      // Steps number the messages between ranks (the tag keeps their low 16 bits).
+      absl::StatusOr<stage::StepResult> res =
+          rank_job.ServeStep(static_cast<int>(batch.step() & 0x7fffffff), args);
+      ++steps_total_;
+      if (!res.ok() && !absl::IsAborted(res.status())) {
+        if (last && !absl::IsCancelled(res.status())) report(batch.step(), res);
+        return res.status();
+      }
+      if (res.ok()) {
+        absl::MutexLock lock(&metrics_mu_);
+        step_seconds_.Observe(res->step_seconds);
+      }
+      if (last && !report(batch.step(), res)) {
+        return absl::UnavailableError("the stream to the coordinator broke while sending a serving output");
+      }
+    }
+  }
+
   absl::Status RunRank(Incoming in) {
     const Assignment& a = in.assignment;
     const JobSpec& spec = a.spec();
@@ -586,6 +658,7 @@ class Agent {
     }
     const bool inference = rank_job->schedule().forward_only;
     KeepFreedMemory();  // the stages are loaded: from here on, buffers are reused step after step
+    if (spec.has_serving()) return Serve(a, *rank_job);  // the stages are loaded: from here on, buffers are reused step after step
     std::vector<c10::IValue> outputs;  // inference: the last stage's merged outputs per step
     for (int step = a.start_step(); step < spec.steps(); ++step) {
       PIPPY_ASSIGN_OR_RETURN(stage::StepResult res, rank_job->RunStep(step, data));
@@ -664,6 +737,7 @@ class Agent {
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   job::RankJob* running_ ABSL_GUARDED_BY(mu_) = nullptr;  // the job's rank while it runs
   std::vector<std::string> peers_ ABSL_GUARDED_BY(mu_);
+  std::deque<ServeBatch> serve_queue_ ABSL_GUARDED_BY(mu_);  // a serving job's micro-batches, in step order
   std::vector<std::string> replica_peers_ ABSL_GUARDED_BY(mu_);  // the replica group's gloo addresses
   // Metrics (--metrics-port), read by the metrics server's thread.
   std::atomic<bool> registered_now_{false}, busy_{false};

@@ -117,8 +117,50 @@ bool CheckpointAfter(const JobSpec& spec, int steps_done) {
          steps_done % every == 0;
 }
 
+namespace {
+
+// A serving job's spec: the serving fields, and the rest as serving fixes them.
+absl::Status CheckServing(JobSpec* spec) {
+  ServingSpec* sv = spec->mutable_serving();
+  if (sv->max_batch() < 0) return Bad("serving.max_batch", "must not be negative (0: the default, 32)");
+  if (sv->max_batch() == 0) sv->set_max_batch(kDefaultServingMaxBatch);
+  if (sv->max_batch() > kMaxServingBatch) {
+    return Bad("serving.max_batch", absl::StrCat("at most ", kMaxServingBatch, " rows per micro-batch"));
+  }
+  if (!sv->has_max_delay_ms()) sv->set_max_delay_ms(kDefaultServingMaxDelayMs);
+  if (sv->max_delay_ms() < 0 || sv->max_delay_ms() > 60000) {
+    return Bad("serving.max_delay_ms", "must be in [0, 60000] (0: send what is queued at once)");
+  }
+  if (sv->max_inflight() < 0 || sv->max_inflight() > 1024) {
+    return Bad("serving.max_inflight", "must be in [0, 1024] (0: stages + 1)");
+  }
+  ScheduleSpec* sched = spec->mutable_schedule();
+  if (sched->kind() == SCHEDULE_KIND_UNSPECIFIED) sched->set_kind(SCHEDULE_INFERENCE);
+  if (sched->kind() != SCHEDULE_INFERENCE) {
+    return Bad("schedule.kind", "a serving job runs the inference schedule (forward only); leave it unset");
+  }
+  if (spec->mode() == MODE_TRAIN) return Bad("mode", "a serving job runs inference");
+  if (sched->microbatches() > 1) {
+    return Bad("schedule.microbatches", "a serving job's micro-batches are its batches (serving.max_batch); leave it unset");
+  }
+  sched->set_microbatches(1);
+  if (spec->steps() != 0) return Bad("steps", "a serving job runs until it is cancelled; leave steps unset");
+  if (spec->replicas() > 1) return Bad("replicas", "a serving job runs one pipeline (serve it again for more)");
+  if (spec->batch_size() != 0 && spec->batch_size() != sv->max_batch()) {
+    return Bad("batch_size", "a serving job's batch is serving.max_batch; leave batch_size unset");
+  }
+  spec->set_batch_size(sv->max_batch());
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status CheckSpec(JobSpec* spec) {
   ScheduleSpec* sched = spec->mutable_schedule();
+  if (spec->has_serving()) {
+    absl::Status serving = CheckServing(spec);
+    if (!serving.ok()) return serving;
+  }
   if (sched->kind() == SCHEDULE_KIND_UNSPECIFIED) return Bad("schedule.kind", "missing (e.g. 1f1b)");
   if (!ScheduleKind_IsValid(sched->kind())) return Bad("schedule.kind", absl::StrCat("unknown value ", sched->kind()));
   const bool forward_only = sched->kind() == SCHEDULE_INFERENCE;
@@ -138,7 +180,7 @@ absl::Status CheckSpec(JobSpec* spec) {
   if (sched->stages_per_worker() == 0) {
     sched->set_stages_per_worker(schedule::DefaultStagesPerRank(EngineSchedule(sched->kind())));
   }
-  if (spec->steps() < 1) return Bad("steps", "must be at least 1");
+  if (spec->steps() < 1 && !spec->has_serving()) return Bad("steps", "must be at least 1");
   if (spec->batch_size() < 1) return Bad("batch_size", "must be at least 1");
   if (spec->replicas() < 0) return Bad("replicas", "must not be negative");
   if (spec->replicas() == 0) spec->set_replicas(1);

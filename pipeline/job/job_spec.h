@@ -50,6 +50,12 @@ inline constexpr int kDefaultCheckpointEvery = 50;
 inline constexpr int kDefaultMaxRestarts = 3;
 inline constexpr double kDefaultRecoveryTimeoutS = 300;
 
+// Serving's defaults and limit: micro-batches of up to 32 rows, or what came within
+// 5 ms; at most 65536 rows per micro-batch.
+inline constexpr int kDefaultServingMaxBatch = 32;
+inline constexpr int kDefaultServingMaxDelayMs = 5;
+inline constexpr int kMaxServingBatch = 65536;
+
 // Whether a checkpoint is taken once `steps_done` steps of the job are done: every
 // checkpoint_every steps of a training job, except after the last step.
 // REQUIRES: CheckSpec(&spec) passed.

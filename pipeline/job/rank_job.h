@@ -50,6 +50,13 @@ class RankJob {
   // for an inference job (the last stage's rank returns the merged output).
   absl::StatusOr<stage::StepResult> RunStep(int step, const stage::DataSource& data);
 
+  // A serving job's step: forward only on `inputs` (forward()'s arguments, None where
+  // this rank reads none; any number of rows). See RankRuntime::InferenceStep, whose
+  // ABORTED means the inputs did not fit the model and the next step may run.
+  absl::StatusOr<stage::StepResult> ServeStep(int step, const std::vector<c10::IValue>& inputs) {
+    return runtime_->InferenceStep(step, inputs);
+  }
+
   // The rank's training state after a step, for a checkpoint: the optimizer's state
   // and this process's random number generator (dropout draws from it). The stages'
   // parameters and buffers are not in it: they are in the stage modules (stages()),

@@ -47,6 +47,16 @@ absl::StatusOr<DataSource> DataSource::FromBytes(absl::string_view bytes, const 
   return FromValues(std::move(args), targets != dict.end() ? targets->value() : c10::IValue(), names);
 }
 
+absl::StatusOr<DataSource> DataSource::FromExampleBytes(absl::string_view bytes, const std::vector<std::string>& names) {
+  absl::StatusOr<DataSource> file = FromBytes(bytes, names);
+  if (file.ok()) return file;
+  absl::StatusOr<c10::IValue> v = partition::PickleLoad(bytes, "data");
+  if (!v.ok() || (v->isGenericDict() && v->toGenericDict().contains(std::string("inputs")))) return file;
+  absl::StatusOr<std::vector<c10::IValue>> args = partition::ToForwardArguments(*v, names, "data");
+  if (!args.ok()) return file;
+  return FromValues(std::move(*args), c10::IValue(), names);
+}
+
 absl::StatusOr<DataSource> DataSource::FromValues(std::vector<c10::IValue> inputs, c10::IValue targets,
                                                   const std::vector<std::string>& names) {
   if (inputs.size() != names.size()) {

@@ -25,6 +25,12 @@ class DataSource {
   // inputs that do not match forward()'s arguments, sample counts that differ).
   static absl::StatusOr<DataSource> FromBytes(absl::string_view bytes, const std::vector<std::string>& argument_names);
 
+  // As FromBytes, but the file may also hold just forward()'s arguments, as a serving
+  // request's input does (torch.save of a tensor, a tuple or list, or a dict by
+  // argument name): a serving job's example input. Errors: FromBytes's.
+  static absl::StatusOr<DataSource> FromExampleBytes(absl::string_view bytes,
+                                                     const std::vector<std::string>& argument_names);
+
   // Data already in memory: forward()'s arguments over all samples (dim 0) and the
   // targets (None for none). Errors: as FromBytes.
   static absl::StatusOr<DataSource> FromValues(std::vector<c10::IValue> inputs, c10::IValue targets,

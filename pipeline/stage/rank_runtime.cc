@@ -4,6 +4,7 @@
 #include <cmath>
 #include <functional>
 #include <future>
+#include <optional>
 #include <set>
 #include <tuple>
 
@@ -122,7 +123,32 @@ struct RankRuntime::StepState {
   int64_t bytes = 0;  // tensor bytes the action in progress sent or received
   std::vector<TraceEvent> trace;
   std::vector<std::pair<std::shared_ptr<transport::Work>, std::string>> pending_sends;
+  // Forward-only steps: why the step was abandoned (a stage's forward failed here or on
+  // an earlier rank). The rank still sends an abort marker wherever it would have sent
+  // an activation, so that every rank ends the step in step (see InferenceStep).
+  std::string abort;
 };
+
+namespace {
+
+// What a forward-only step sends instead of an activation once it was abandoned: a
+// tuple (marker, why). No stage output looks like it (a tuple whose first element is
+// this string).
+constexpr char kAbortMarker[] = "\x01pippy: step abandoned upstream";
+
+c10::IValue AbortValue(const std::string& why) {
+  return c10::ivalue::Tuple::create({c10::IValue(std::string(kAbortMarker)), c10::IValue(why)});
+}
+
+// The reason carried by an abort marker, or nullopt for an ordinary value.
+std::optional<std::string> AbortReason(const c10::IValue& v) {
+  if (!v.isTuple()) return std::nullopt;
+  const auto& e = v.toTupleRef().elements();
+  if (e.size() != 2 || !e[0].isString() || !e[1].isString() || e[0].toStringRef() != kAbortMarker) return std::nullopt;
+  return e[1].toStringRef();
+}
+
+}  // namespace
 
 RankRuntime::~RankRuntime() {
   if (reducer_.valid()) reducer_.wait();
@@ -445,6 +471,8 @@ absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10:
     for (auto& [work, where] : st.pending_sends) PIPPY_RETURN_IF_ERROR(WaitFor(work, where));
     return absl::OkStatus();
   }));
+  // Every send and receive of the abandoned step is done: the ranks are in step.
+  if (!st.abort.empty()) return absl::AbortedError(st.abort);
   if (training) {
     const auto& reductions = reductions_;
     if (!reductions.empty()) {
@@ -526,7 +554,17 @@ absl::Status RankRuntime::Execute(StepState& st, size_t pos, const Action& a) {
   absl::Status s;
   bool compute = true;
   switch (a.type) {
-    case ActionType::kForward: s = Forward(st, a.stage, a.microbatch); break;
+    case ActionType::kForward:
+      if (!st.training && !st.abort.empty()) break;  // abandoned: nothing to compute
+      s = Forward(st, a.stage, a.microbatch);
+      if (!st.training && !s.ok() && !absl::IsCancelled(s)) {
+        // Forward only: the step is abandoned, but its sends and receives still happen
+        // (as abort markers), so that this rank and its peers can run the next step.
+        st.abort = absl::StrCat(where, ": ", s.message());
+        log::Warn("rank={} step={}: abandoning the step: {}", rank_, st.step, st.abort);
+        s = absl::OkStatus();
+      }
+      break;
     case ActionType::kBackward: s = Backward(st, a.stage, a.microbatch, true, true); break;
     case ActionType::kBackwardInput: s = Backward(st, a.stage, a.microbatch, true, false); break;
     case ActionType::kBackwardWeight: s = Backward(st, a.stage, a.microbatch, false, true); break;
@@ -607,6 +645,20 @@ absl::Status RankRuntime::Forward(StepState& st, int s, int mb) {
 }
 
 absl::Status RankRuntime::SendForward(StepState& st, int s, int mb) {
+  if (!st.training && !st.abort.empty()) {
+    st.to_send.erase({s, mb});
+    for (size_t j = 0; j < consumers_[s].size(); ++j) {
+      for (const auto& [c, k] : consumers_[s][j]) {
+        const int peer = schedule_.stage_to_rank[c];
+        if (peer == rank_) continue;
+        Tag tag = MakeTag(Tag::Kind::kActivation, st.step, mb, s, c, static_cast<int>(j));
+        st.pending_sends.emplace_back(transport_->Send(peer, tag, AbortValue(st.abort)),
+                                      absl::StrCat("rank ", rank_, " sending ", tag.ToString(), " (abandoned) to rank ",
+                                                   peer));
+      }
+    }
+    return absl::OkStatus();
+  }
   auto it = st.to_send.find({s, mb});
   if (it == st.to_send.end()) {
     return absl::FailedPreconditionError(absl::StrCat("rank ", rank_, ": SEND_F of stage ", s, " micro-batch ", mb,
@@ -643,6 +695,13 @@ absl::Status RankRuntime::RecvForward(StepState& st, int s, int mb, const std::s
   for (auto& [k, work] : works) {
     PIPPY_RETURN_IF_ERROR(WaitFor(work, where));
     inbox[k] = work->Value();
+    if (!st.training) {
+      if (std::optional<std::string> why = AbortReason(inbox[k])) {
+        if (st.abort.empty()) st.abort = *why;
+        inbox[k] = c10::IValue();
+        continue;
+      }
+    }
     st.bytes += TensorBytes(inbox[k]);
   }
   return absl::OkStatus();

@@ -121,7 +121,13 @@ class RankRuntime {
   absl::StatusOr<StepResult> TrainStep(int step, const std::vector<c10::IValue>& inputs, const c10::IValue& target);
 
   // Forward only (the schedule must be forward-only): returns the merged model output
-  // on the rank holding the last stage.
+  // on the rank holding the last stage. Steps need no barrier between them: a rank may
+  // run step s + 1 while later ranks still run step s (messages carry the step).
+  // ABORTED: a stage's forward failed on this step's inputs (on this rank or, carried
+  // by an abort marker in place of the activation, on an earlier one; the message says
+  // where and why). The step's sends and receives still completed, so every rank of
+  // the pipeline ends the step ABORTED and can run the next one (serving goes on).
+  // Any other error leaves the rank unable to continue.
   absl::StatusOr<StepResult> InferenceStep(int step, const std::vector<c10::IValue>& inputs);
 
   // Ends the step in progress and every later one with CANCELLED: the wait in progress

@@ -355,6 +355,55 @@ TEST_F(RuntimeBehaviourTest, ForwardOnly_EqualsUnsplitForward) {
   }
 }
 
+// Serving: steps of any size run back to back without a barrier; a step whose input
+// does not fit stage 0 is abandoned on every rank (ABORTED, naming the stage), and the
+// next steps still compute the unsplit model's forward.
+TEST_F(RuntimeBehaviourTest, ServingSteps_BadInputAbandonsTheStepOnEveryRankAndTheNextRuns) {
+  Load("mlp");
+  constexpr int kRanks = 3;
+  auto pipe = partition::SplitModel(model_, [] { partition::SplitOptions o; o.num_stages = kRanks; return o; }());
+  ASSERT_TRUE(pipe.ok()) << pipe.status();
+  schedule::ScheduleOptions so;
+  so.num_ranks = kRanks;
+  so.num_microbatches = 1;
+  auto sched = schedule::MakeSchedule(ScheduleKind::kForwardOnly, so);
+  ASSERT_TRUE(sched.ok()) << sched.status();
+  transports_ = transport::loopback::Create(kRanks);
+  std::vector<std::unique_ptr<RankRuntime>> rts;
+  for (int r = 0; r < kRanks; ++r) {
+    auto rt = RankRuntime::Create(r, pipe->plan, {{r, pipe->stages[r]}}, *sched, transports_[r].get(), RuntimeOptions{});
+    ASSERT_TRUE(rt.ok()) << rt.status();
+    rts.push_back(std::move(*rt));
+  }
+  const at::Tensor x = inputs_[0].toTensor();
+  const at::Tensor bad = at::cat({x, x.narrow(1, 0, 1)}, 1);  // one feature too many
+  const std::vector<at::Tensor> steps = {x.narrow(0, 0, 3), bad.narrow(0, 0, 2), x.narrow(0, 3, 5), x.narrow(0, 1, 1)};
+  std::vector<std::vector<absl::StatusOr<StepResult>>> got(kRanks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      for (size_t i = 0; i < steps.size(); ++i) {
+        std::vector<c10::IValue> in = {r == 0 ? c10::IValue(steps[i]) : c10::IValue()};
+        got[r].push_back(rts[r]->InferenceStep(static_cast<int>(i), in));
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_EQ(got[r].size(), steps.size());
+    EXPECT_EQ(got[r][1].status().code(), absl::StatusCode::kAborted) << "rank " << r << ": " << got[r][1].status();
+    EXPECT_THAT(std::string(got[r][1].status().message()), ::testing::HasSubstr("stage 0 forward"));
+    for (size_t i : {0u, 2u, 3u}) ASSERT_TRUE(got[r][i].ok()) << "rank " << r << " step " << i << ": " << got[r][i].status();
+  }
+  for (size_t i : {0u, 2u, 3u}) {
+    torch::NoGradGuard g;
+    const at::Tensor want = model_.forward({steps[i]}).toTensor();
+    const at::Tensor out = got[kRanks - 1][i]->output.toTensor();
+    ASSERT_EQ(out.sizes(), want.sizes());
+    EXPECT_LE(RelDiff(out, want), 1e-6) << "step " << i;
+  }
+}
+
 TEST_F(RuntimeBehaviourTest, CsvScheduleReadBack_TrainsTheSame) {
   Load("gpt");
   Case c{kModels[1], ScheduleKind::k1F1B, 4, 1, OPTIMIZER_ADAMW};

@@ -9,6 +9,13 @@ over its gRPC API (proto/coordinator.proto), as pippyctl does.
         print(event["state"], event["step"], event.get("loss"))
     c.fetch(job, "trained.pt")
 
+    # Serving: the stages stay loaded; requests are batched into micro-batches.
+    served = c.serve("model.pt", example="input.pt", stages=2, max_batch=16, max_delay_ms=5, name="m")
+    c.wait_serving(served)
+    y = c.infer("m", x)                       # x: a tensor (or tuple/dict of them), rows along dim 0
+    for request_id, y in c.infer_stream("m", [x1, x2, x3]):   # one stream, answers as they come
+        ...
+
 Needs python3-grpcio and python3-protobuf (Debian). The stubs in _stubs/ are made by
 client/python/generate from proto/.
 """
@@ -21,9 +28,10 @@ from google.protobuf import json_format
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "_stubs"))
 from proto import coordinator_pb2, coordinator_pb2_grpc, job_pb2  # noqa: E402
 
-__all__ = ["Client", "JobFailed", "PippyError"]
+__all__ = ["Client", "InferError", "JobFailed", "PippyError"]
 
 CHUNK = 1 << 20
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
 TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 
 # Names as pippyctl takes them -> the spec's enums.
@@ -45,6 +53,33 @@ class PippyError(Exception):
 
 class JobFailed(PippyError):
     """wait() on a job that ended FAILED or CANCELLED."""
+
+
+class InferError(PippyError):
+    """One request of infer_stream() that was refused or failed (the stream goes on)."""
+
+    def __init__(self, code, message, request_id):
+        super().__init__(code, message)
+        self.request_id = request_id
+
+
+def _to_bytes(inputs):
+    """A request's input: bytes as they are, else torch.save of the value."""
+    if isinstance(inputs, (bytes, bytearray)):
+        return bytes(inputs)
+    import io
+    import torch
+    buf = io.BytesIO()
+    torch.save(inputs, buf)
+    return buf.getvalue()
+
+
+def _from_bytes(output, raw):
+    if raw:
+        return output
+    import io
+    import torch
+    return torch.load(io.BytesIO(output))
 
 
 def _call(fn, *args, **kwargs):
@@ -142,6 +177,78 @@ class Client:
                         yield coordinator_pb2.SubmitJobRequest(**{field: chunk})
 
         return _call(self._stub.SubmitJob, requests(), metadata=self._metadata).job_id
+
+    def serve(self, model_path, example=None, *, stages=0, split_at=(), balance="params", max_batch=0,
+              max_delay_ms=None, max_inflight=0, name=None, synthetic="", seed=0):
+        """Starts a serving job (pippyctl serve): the model split into stages that stay
+        loaded until cancel(). example: a file with an example input (a request's input
+        or a data file), or synthetic="inputs=float32[8,1024]". Returns the job id."""
+        spec = job_pb2.JobSpec(name=name or os.path.splitext(os.path.basename(model_path))[0], seed=seed)
+        spec.split.stages = stages
+        spec.split.split_at.extend(split_at)
+        spec.split.balance = job_pb2.Balance.Value(_enum(BALANCES, balance, "balance"))
+        spec.serving.max_batch = max_batch
+        if max_delay_ms is not None:
+            spec.serving.max_delay_ms = max_delay_ms
+        spec.serving.max_inflight = max_inflight
+        if example:
+            spec.data.file = os.path.basename(example)
+        spec.data.synthetic = synthetic
+
+        def requests():
+            yield coordinator_pb2.SubmitJobRequest(spec=spec)
+            for path, field in ((model_path, "model_chunk"), (example, "data_chunk")):
+                if not path:
+                    continue
+                with open(path, "rb") as f:
+                    while True:
+                        chunk = f.read(CHUNK)
+                        if not chunk:
+                            break
+                        yield coordinator_pb2.SubmitJobRequest(**{field: chunk})
+
+        return _call(self._stub.SubmitJob, requests(), metadata=self._metadata).job_id
+
+    def wait_serving(self, job_id, timeout_s=600.0):
+        """Waits until a serving job answers requests; raises JobFailed if it ended first."""
+        import time
+        deadline = time.monotonic() + timeout_s
+        while True:
+            job = self.status(job_id)
+            if job["state"] == "SERVING":
+                return job
+            if job["state"] in TERMINAL:
+                raise JobFailed(grpc.StatusCode.ABORTED, f"job {job_id} {job['state']}: {job.get('reason', '')}")
+            if time.monotonic() > deadline:
+                raise PippyError(grpc.StatusCode.DEADLINE_EXCEEDED, f"job {job_id} is still {job['state']}")
+            time.sleep(0.2)
+
+    def infer(self, job, inputs, timeout_s=None, raw=False):
+        """One request to a serving job (its id or name). inputs: forward()'s arguments
+        (a tensor, tuple or dict of tensors, rows along dim 0) or torch.save'd bytes.
+        Returns the request's rows of forward()'s output (bytes with raw=True)."""
+        r = _call(self._stub.Infer, coordinator_pb2.InferRequest(job=job, input=_to_bytes(inputs)),
+                  timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+        return _from_bytes(r.output, raw)
+
+    def infer_stream(self, job, inputs, timeout_s=None, raw=False):
+        """Many requests over one stream; yields (index, output) as answers come (not in
+        order), or (index, InferError) for a request that failed."""
+        items = list(inputs)
+
+        def requests():
+            for i, x in enumerate(items):
+                yield coordinator_pb2.InferRequest(job=job, input=_to_bytes(x), request_id=str(i))
+
+        try:
+            for r in self._stub.InferStream(requests(), timeout=timeout_s, metadata=self._metadata):
+                i = int(r.request_id)
+                if r.code != 0:
+                    yield i, InferError(_CODES.get(r.code, grpc.StatusCode.UNKNOWN), r.error, i)
+                else:
+                    yield i, _from_bytes(r.output, raw)
+        except grpc.RpcError as e:
+            raise PippyError(e.code(), e.details()) from None
 
     def status(self, job_id):
         """The job record as a dict (protobuf JSON with the .proto's field names)."""

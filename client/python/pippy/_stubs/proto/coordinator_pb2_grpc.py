@@ -54,6 +54,16 @@ class CoordinatorStub(object):
                 request_serializer=proto_dot_coordinator__pb2.GetTraceRequest.SerializeToString,
                 response_deserializer=proto_dot_coordinator__pb2.StepTrace.FromString,
                 )
+        self.Infer = channel.unary_unary(
+                '/pippy.Coordinator/Infer',
+                request_serializer=proto_dot_coordinator__pb2.InferRequest.SerializeToString,
+                response_deserializer=proto_dot_coordinator__pb2.InferResponse.FromString,
+                )
+        self.InferStream = channel.stream_stream(
+                '/pippy.Coordinator/InferStream',
+                request_serializer=proto_dot_coordinator__pb2.InferRequest.SerializeToString,
+                response_deserializer=proto_dot_coordinator__pb2.InferResponse.FromString,
+                )
 
 
 class CoordinatorServicer(object):
@@ -107,6 +117,20 @@ class CoordinatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Infer(self, request, context):
+        """Serving jobs: one request, or many over one stream (answers in completion order,
+        matched by request_id).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def InferStream(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -149,6 +173,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetTrace,
                     request_deserializer=proto_dot_coordinator__pb2.GetTraceRequest.FromString,
                     response_serializer=proto_dot_coordinator__pb2.StepTrace.SerializeToString,
+            ),
+            'Infer': grpc.unary_unary_rpc_method_handler(
+                    servicer.Infer,
+                    request_deserializer=proto_dot_coordinator__pb2.InferRequest.FromString,
+                    response_serializer=proto_dot_coordinator__pb2.InferResponse.SerializeToString,
+            ),
+            'InferStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.InferStream,
+                    request_deserializer=proto_dot_coordinator__pb2.InferRequest.FromString,
+                    response_serializer=proto_dot_coordinator__pb2.InferResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -293,6 +327,40 @@ class Coordinator(object):
         return grpc.experimental.unary_unary(request, target, '/pippy.Coordinator/GetTrace',
             proto_dot_coordinator__pb2.GetTraceRequest.SerializeToString,
             proto_dot_coordinator__pb2.StepTrace.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Infer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/pippy.Coordinator/Infer',
+            proto_dot_coordinator__pb2.InferRequest.SerializeToString,
+            proto_dot_coordinator__pb2.InferResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def InferStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(request_iterator, target, '/pippy.Coordinator/InferStream',
+            proto_dot_coordinator__pb2.InferRequest.SerializeToString,
+            proto_dot_coordinator__pb2.InferResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 

@@ -1,0 +1,94 @@
+// A serving job's requests on the coordinator: checked as they arrive, grouped into
+// micro-batches, sent through the pipeline one after the other, and answered with
+// their own rows of the output.
+//
+// Batching: requests are bucketed by the dtype and every dimension but the first of
+// each input (so requests of different sequence lengths never share a micro-batch:
+// no padding, which would change the outputs of a model that does not mask it). A
+// bucket leaves as a micro-batch once it holds max_batch rows, or once its oldest
+// request has waited max_delay; a request of more rows than max_batch is cut into
+// several micro-batches and its parts put back together. At most max_inflight
+// micro-batches are in the pipeline at once; while it is full, requests wait and
+// the next micro-batches come out larger (up to max_batch).
+//
+// Isolation: a micro-batch that a stage's forward refuses (ServeResult.aborted) is
+// answered as follows: a micro-batch of one request fails it with INVALID_ARGUMENT
+// and the model's message; one of several requests sends each of them again alone,
+// so that only the request that does not fit the model fails.
+//
+// Threads: Submit, Start, Pause, Stop, OnResult and Stats may be called from any
+// thread; one batcher thread per queue forms micro-batches and calls `dispatch` (so
+// the ranks receive them in step order). `done` callbacks run on the thread that
+// completes the request (OnResult's, Pause's or Stop's, or the batcher's) and must
+// not block or call back into the queue.
+//
+// The header is free of LibTorch; serving.cc uses it.
+#ifndef PIPPY_COORDINATOR_SERVING_H_
+#define PIPPY_COORDINATOR_SERVING_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "proto/coordinator.pb.h"
+
+namespace pippy::coordinator {
+
+class ServingQueue {
+ public:
+  struct Options {
+    std::string job_id;                   // for logs
+    int max_batch = 32;
+    absl::Duration max_delay = absl::Milliseconds(5);
+    int max_inflight = 2;
+    std::vector<std::string> input_names;  // forward()'s arguments
+    std::vector<std::string> input_dtypes; // per argument, as the plan saw them ("float32"; "" unknown)
+    std::vector<int> input_dims;           // per argument, number of dimensions (-1 unknown)
+    int max_queued = 4096;                 // requests waiting at once; more: RESOURCE_EXHAUSTED
+  };
+
+  struct Answer {
+    absl::Status status;
+    std::string output;                   // torch.save bytes of the request's rows of the output
+    int64_t rows = 0;
+    double queue_ms = 0;
+    double pipeline_ms = 0;
+    int microbatch_rows = 0;
+  };
+  using Done = std::function<void(Answer)>;
+  // Sends micro-batch `step` to every rank: inputs[r] is rank r's pickled tuple of
+  // model inputs ("" for a rank that reads none). Returns false if a rank's stream is gone.
+  using Dispatch = std::function<bool(int64_t step, const std::vector<std::string>& inputs, int64_t rows)>;
+
+  explicit ServingQueue(const Options& options);
+  ~ServingQueue();  // fails what is left (UNAVAILABLE) and joins the batcher
+
+  // Checks the request (a torch.save'd tensor, tuple, list or dict of forward()'s
+  // arguments, or a data file's "inputs") and queues it; `done` is called exactly once
+  // when OK is returned. Errors: INVALID_ARGUMENT naming the input and what is wrong;
+  // RESOURCE_EXHAUSTED when options.max_queued requests wait already; UNAVAILABLE once
+  // stopped.
+  absl::Status Submit(std::string input, Done done);
+  // The pipeline of `attempt` is ready: `rank_inputs[r]` lists the model inputs rank
+  // r's stages read. Queued requests start to flow.
+  void Start(int attempt, std::vector<std::vector<int>> rank_inputs, Dispatch dispatch);
+  // The pipeline is gone (a worker lost; the job may be placed again): requests in it
+  // fail with `why`; queued ones wait for the next Start.
+  void Pause(const absl::Status& why);
+  // The job ended: every request fails with `why`; later ones are refused.
+  void Stop(const absl::Status& why);
+  // The last rank's answer for a micro-batch (other attempts' are ignored).
+  void OnResult(const ServeResult& result);
+  ServingStats Stats() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace pippy::coordinator
+
+#endif  // PIPPY_COORDINATOR_SERVING_H_
