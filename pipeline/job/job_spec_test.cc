@@ -2,6 +2,7 @@
 #include "pipeline/job/job_plan.h"
 
 #include <cmath>
+#include <functional>
 #include <limits>
 
 #include "gmock/gmock.h"
@@ -160,6 +161,61 @@ TEST(CheckSpec, HostileNumbers_AreRefused) {
 }
 
 // CheckPlan: what fuzz/plan_json_fuzz checks every parsed plan with before use.
+TEST(CheckSpec, Serving_FillsTheInferenceScheduleAndDefaults) {
+  JobSpec spec;
+  spec.mutable_split()->set_stages(3);
+  spec.mutable_serving();
+  ASSERT_TRUE(CheckSpec(&spec).ok()) << CheckSpec(&spec);
+  EXPECT_EQ(spec.schedule().kind(), SCHEDULE_INFERENCE);
+  EXPECT_EQ(spec.mode(), MODE_INFERENCE);
+  EXPECT_EQ(spec.schedule().microbatches(), 1);
+  EXPECT_EQ(spec.serving().max_batch(), kDefaultServingMaxBatch);
+  EXPECT_EQ(spec.serving().max_delay_ms(), kDefaultServingMaxDelayMs);
+  EXPECT_EQ(spec.batch_size(), kDefaultServingMaxBatch);
+  EXPECT_EQ(spec.steps(), 0);
+  // An explicit 0 ms delay is kept (send at once).
+  JobSpec now;
+  now.mutable_split()->set_stages(2);
+  now.mutable_serving()->set_max_delay_ms(0);
+  now.mutable_serving()->set_max_batch(7);
+  ASSERT_TRUE(CheckSpec(&now).ok());
+  EXPECT_EQ(now.serving().max_delay_ms(), 0);
+  EXPECT_EQ(now.batch_size(), 7);
+}
+
+TEST(CheckSpec, Serving_ConflictingFieldsAreNamed) {
+  auto serving = [] {
+    JobSpec spec;
+    spec.mutable_split()->set_stages(2);
+    spec.mutable_serving();
+    return spec;
+  };
+  struct Case {
+    std::function<void(JobSpec*)> mutate;
+    const char* field;
+  };
+  const std::vector<Case> cases = {
+      {[](JobSpec* s) { s->mutable_schedule()->set_kind(SCHEDULE_1F1B); }, "schedule.kind"},
+      {[](JobSpec* s) { s->set_mode(MODE_TRAIN); }, "mode"},
+      {[](JobSpec* s) { s->mutable_schedule()->set_microbatches(4); }, "schedule.microbatches"},
+      {[](JobSpec* s) { s->set_steps(10); }, "steps"},
+      {[](JobSpec* s) { s->set_replicas(2); }, "replicas"},
+      {[](JobSpec* s) { s->set_batch_size(5); }, "batch_size"},
+      {[](JobSpec* s) { s->mutable_serving()->set_max_batch(-1); }, "serving.max_batch"},
+      {[](JobSpec* s) { s->mutable_serving()->set_max_batch(kMaxServingBatch + 1); }, "serving.max_batch"},
+      {[](JobSpec* s) { s->mutable_serving()->set_max_delay_ms(-1); }, "serving.max_delay_ms"},
+      {[](JobSpec* s) { s->mutable_serving()->set_max_delay_ms(60001); }, "serving.max_delay_ms"},
+      {[](JobSpec* s) { s->mutable_serving()->set_max_inflight(-1); }, "serving.max_inflight"},
+  };
+  for (const Case& c : cases) {
+    JobSpec spec = serving();
+    c.mutate(&spec);
+    absl::Status s = CheckSpec(&spec);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.field;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(c.field));
+  }
+}
+
 TEST(CheckPlan, BrokenCrossReferences_AreNamed) {
   PipelinePlan plan;
   plan.add_inputs()->set_name("x");
