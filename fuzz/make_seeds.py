@@ -137,10 +137,53 @@ def data_files(out):
             evil.writestr(n, b"\x80\x02X\x00\x00\x00\xf0" + b"a" * 16 if n.endswith("data.pkl") else src.read(n))
 
 
+def request_files(out):
+    """Serving requests as Infer receives them (torch.save of forward()'s arguments), and
+    hostile ones: a 4 GiB string, a type tag for LibTorch's type parser, a list that
+    holds itself, values nested 100 deep, a global torch.save never writes for tensors,
+    a record that claims more bytes than the file."""
+    import io
+    import zipfile
+    import torch
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    good = {"tensor.pt": x, "tuple.pt": (x, torch.arange(3)), "list.pt": [x, x.clone()],
+            "dict.pt": {"x": x, "mask": torch.ones(3, 4, dtype=torch.bool)}, "datafile.pt": {"inputs": x},
+            "scalars.pt": (x, 3, 2.5, True, None, "text"), "int64.pt": torch.randint(0, 64, (2, 16)),
+            "one-item-list.pt": [x], "one-item-dict.pt": {"x": x}}
+    for name, v in good.items():
+        torch.save(v, os.path.join(out, name))
+    cyclic = [torch.zeros(1)]
+    cyclic.append(cyclic)
+    torch.save(cyclic, os.path.join(out, "cycle-list-holds-itself"))
+    deep = torch.zeros(1)
+    for _ in range(100):
+        deep = [deep]
+    torch.save(deep, os.path.join(out, "deep-nesting-100"))
+    torch.save((x, x), os.path.join(out, "same-tensor-twice"))
+
+    def with_pickle(name, pkl, base="tensor.pt"):
+        src = zipfile.ZipFile(os.path.join(out, base))
+        with zipfile.ZipFile(os.path.join(out, name), "w", zipfile.ZIP_STORED) as z:
+            for n in src.namelist():
+                z.writestr(n, pkl if n.endswith("data.pkl") else src.read(n))
+
+    with_pickle("oom-pickle-string-length", b"\x80\x02X\x00\x00\x00\xf0" + b"a" * 16)
+    with_pickle("type-tag", b"\x80\x02ctorch.jit._pickle\nrestore_type_tag\n]X\x09\x00\x00\x00List[int]\x86R.")
+    with_pickle("global-os-system", b"\x80\x02cos\nsystem\nX\x02\x00\x00\x00id\x85R.")
+    with_pickle("truncated-pickle", open(os.path.join(out, "tensor.pt"), "rb").read()[:0] + b"\x80\x02]q\x00(")
+    # A record whose directory entry claims 4 GiB (the bytes are what they were).
+    raw = bytearray(open(os.path.join(out, "tensor.pt"), "rb").read())
+    i = raw.rfind(b"PK\x01\x02")  # the last central directory entry: sizes at +20 (compressed), +24 (uncompressed)
+    raw[i + 24:i + 28] = (0xF0000000).to_bytes(4, "little")
+    open(os.path.join(out, "record-claims-4gib"), "wb").write(bytes(raw))
+
+
 def main():
     root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(HERE, "corpus")
     for d, make in [("job_spec_fuzz", job_specs), ("wire_header_fuzz", wire_headers), ("model_fuzz", tiny_model),
-                    ("data_fuzz", data_files)]:
+                    ("data_fuzz", data_files), ("request_fuzz", request_files)]:
         path = os.path.join(root, d)
         os.makedirs(path, exist_ok=True)
         make(path)

@@ -2,6 +2,7 @@
 
 #include <malloc.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -22,6 +23,7 @@
 #include "torch/csrc/jit/serialization/import_read.h"
 #include "torch/csrc/jit/serialization/pickle.h"
 #include "torch/csrc/jit/serialization/storage_context.h"
+#include "torch/csrc/jit/serialization/unpickler.h"
 
 namespace pippy::partition {
 namespace {
@@ -282,9 +284,70 @@ absl::Status CheckTensorsInStorage(const c10::IValue& value, const std::string& 
   return CheckValue(value, what, 0);
 }
 
-absl::StatusOr<c10::IValue> PickleLoad(absl::string_view bytes, const std::string& what) {
-  PIPPY_ASSIGN_OR_RETURN(c10::IValue value, TorchCall(what, [&] {
+namespace {
+
+uint64_t LE(absl::string_view b, size_t at, size_t n) {
+  uint64_t v = 0;
+  for (size_t i = 0; i < n; ++i) v |= static_cast<uint64_t>(static_cast<uint8_t>(b[at + i])) << (8 * i);
+  return v;
+}
+
+// Walks the zip's central directory: every entry's sizes within the archive.
+absl::Status CheckZipClaims(absl::string_view b, const std::string& what) {
+  auto bad = [&](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": not a torch.save file: ", why));
+  };
+  // The end-of-central-directory record: in the last 64 KiB + 22 bytes.
+  if (b.size() < 22) return bad("too short for a zip file");
+  size_t eocd = absl::string_view::npos;
+  for (size_t i = b.size() - 22 + 1; i-- > 0 && b.size() - i <= 65557;) {
+    if (LE(b, i, 4) == 0x06054b50) {
+      eocd = i;
+      break;
+    }
+  }
+  if (eocd == absl::string_view::npos) return bad("no zip directory (truncated?)");
+  const uint64_t entries = LE(b, eocd + 10, 2), cd_size = LE(b, eocd + 12, 4), cd_at = LE(b, eocd + 16, 4);
+  if (cd_at > b.size() || cd_size > b.size() - cd_at) return bad("its zip directory lies outside the file");
+  size_t at = cd_at;
+  for (uint64_t e = 0; e < entries; ++e) {
+    if (at + 46 > cd_at + cd_size || LE(b, at, 4) != 0x02014b50) return bad("a corrupt zip directory");
+    const uint64_t compressed = LE(b, at + 20, 4), size = LE(b, at + 24, 4);
+    const uint64_t name = LE(b, at + 28, 2), extra = LE(b, at + 30, 2), comment = LE(b, at + 32, 2);
+    if (compressed > b.size() || size > b.size()) {
+      return bad(absl::StrCat("record '", b.substr(at + 46, std::min<uint64_t>(name, b.size() - at - 46)),
+                              "' claims ", size, " bytes in a ", b.size(), "-byte file"));
+    }
+    at += 46 + name + extra + comment;
+  }
+  return absl::OkStatus();
+}
+
+// PickleLoad's body; `limits` set: PickleLoadUntrusted's checks first.
+absl::StatusOr<c10::IValue> LoadPickled(absl::string_view bytes, const std::string& what,
+                                        const PickleLimits* limits) {
+  if (limits != nullptr && !IsZip(std::string(bytes.substr(0, 4)))) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": not a torch.save file (it is not a zip file; in Python: "
+                                                   "torch.save(value, f) with PyTorch >= 1.6)"));
+  }
+  // A record claims its size in the zip's central directory, and reading it allocates
+  // that much: none may claim more than the archive holds (torch.save stores records
+  // uncompressed).
+  if (limits != nullptr) PIPPY_RETURN_IF_ERROR(CheckZipClaims(bytes, what));
+  absl::Status scanned = absl::OkStatus();
+  PIPPY_ASSIGN_OR_RETURN(c10::IValue value, TorchCall(what, [&]() -> c10::IValue {
     caffe2::serialize::PyTorchStreamReader reader(std::make_shared<ViewReadAdapter>(bytes));
+    if (!reader.hasRecord("data.pkl")) {
+      scanned = absl::InvalidArgumentError(absl::StrCat(what, ": not a torch.save file (no data.pkl record)"));
+      return c10::IValue();
+    }
+    auto [pkl, pkl_size] = reader.getRecord("data.pkl");
+    absl::StatusOr<std::string> pickle =
+        PickleForLibTorch(absl::string_view(static_cast<const char*>(pkl.get()), pkl_size), what, limits);
+    if (!pickle.ok()) {
+      scanned = pickle.status();
+      return c10::IValue();
+    }
     auto storages = std::make_shared<torch::jit::DeserializationStorageContext>();
     for (const std::string& name : reader.getAllRecords()) {
       if (!absl::StartsWith(name, "data/")) continue;  // data/<key>: a storage's bytes
@@ -292,11 +355,41 @@ absl::StatusOr<c10::IValue> PickleLoad(absl::string_view bytes, const std::strin
       storages->addStorage(name.substr(5), c10::Storage(c10::Storage::use_byte_size_t(), size, std::move(data),
                                                         /*allocator=*/nullptr, /*resizable=*/false));
     }
-    return torch::jit::readArchiveAndTensors("data", "", "", c10::nullopt, c10::nullopt, c10::nullopt, reader,
-                                             torch::jit::Unpickler::defaultTypeParser, storages);
+    // Untrusted: no type tag reaches LibTorch's type parser (the scan allows none).
+    auto no_types = [](const std::string& type) -> c10::TypePtr {
+      throw std::runtime_error("type tags are not accepted in a request: " + type.substr(0, 64));
+    };
+    c10::TypePtr (*parser)(const std::string&) = limits != nullptr ? +no_types : torch::jit::Unpickler::defaultTypeParser;
+    // As torch::jit::readArchiveAndTensors, from the (rewritten) pickle.
+    size_t read = 0;
+    const std::string& p = *pickle;
+    auto next = [&](char* buffer, size_t len) -> size_t {
+      const size_t n = std::min(len, p.size() - read);
+      std::memcpy(buffer, p.data() + read, n);
+      read += n;
+      return n;
+    };
+    auto missing = [](const std::string& key) -> at::DataPtr {
+      throw std::runtime_error("the pickle refers to storage '" + key.substr(0, 64) + "', which the file lacks");
+    };
+    torch::jit::Unpickler unpickler(next, nullptr, nullptr, missing, c10::nullopt, false, parser, storages);
+    unpickler.set_version(reader.version());
+    return unpickler.parse_ivalue();
   }));
+  PIPPY_RETURN_IF_ERROR(scanned);
   PIPPY_RETURN_IF_ERROR(CheckTensorsInStorage(value, what));
   return value;
+}
+
+}  // namespace
+
+absl::StatusOr<c10::IValue> PickleLoad(absl::string_view bytes, const std::string& what) {
+  return LoadPickled(bytes, what, nullptr);
+}
+
+absl::StatusOr<c10::IValue> PickleLoadUntrusted(absl::string_view bytes, const std::string& what,
+                                                const PickleLimits& limits) {
+  return LoadPickled(bytes, what, &limits);
 }
 
 absl::StatusOr<c10::IValue> LoadTorchSaved(const std::string& path) {

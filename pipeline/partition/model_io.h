@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "pipeline/partition/pickle_scan.h"
 #include "torch/script.h"
 
 namespace pippy::partition {
@@ -52,6 +53,14 @@ absl::StatusOr<std::vector<c10::IValue>> LoadExampleInputs(const std::string& pa
 // the true sizes, LibTorch's own bounds check (or CheckTensorsInStorage) refuses such
 // a tensor. Errors: INVALID_ARGUMENT (with `what`) for anything that does not load.
 absl::StatusOr<c10::IValue> PickleLoad(absl::string_view bytes, const std::string& what);
+
+// As PickleLoad, for bytes from an untrusted client that are not first loaded in a
+// child process (a serving request): every record must fit in the archive, the pickle
+// must pass ScanPickle (pickle_scan.h: no announced length beyond its bytes, only the
+// globals torch.save writes for tensors and containers, bounded nesting, no cycles),
+// and no type tag reaches LibTorch's type parser. Errors: INVALID_ARGUMENT with `what`.
+absl::StatusOr<c10::IValue> PickleLoadUntrusted(absl::string_view bytes, const std::string& what,
+                                                const PickleLimits& limits = {});
 
 // Reads any value written by torch.save (tensor, tuple, list, dict, number).
 absl::StatusOr<c10::IValue> LoadTorchSaved(const std::string& path);

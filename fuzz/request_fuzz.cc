@@ -1,0 +1,35 @@
+// Fuzz target: a serving request's input as the coordinator reads it (Infer's bytes,
+// in its own process: partition::PickleLoadUntrusted, then forward()'s arguments for
+// a model of one and of two arguments). Unlike data_fuzz there is no child: whatever
+// the bytes announce, this must fail with an error, never crash, allocate beyond
+// libFuzzer's -malloc_limit_mb (fuzz/flags.sh) or recurse without bound.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/strings/string_view.h"
+#include "common/log.h"
+#include "pipeline/partition/model_io.h"
+
+namespace {
+const std::vector<std::vector<std::string>> kArguments = {{"x"}, {"x", "mask"}};
+}  // namespace
+
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  pippy::log::Init("request_fuzz", pippy::log::Level::kOff);
+  return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const absl::string_view bytes(reinterpret_cast<const char*>(data), size);
+  auto value = pippy::partition::PickleLoadUntrusted(bytes, "input");
+  if (!value.ok()) return 0;
+  for (const auto& names : kArguments) {
+    auto args = pippy::partition::ToForwardArguments(*value, names, "input");
+    if (!args.ok()) continue;
+    for (const c10::IValue& a : *args) {
+      if (a.isTensor() && a.toTensor().numel() > 0) (void)a.toTensor().sum();  // reads every element
+    }
+  }
+  return 0;
+}
