@@ -403,7 +403,8 @@ void Coordinator::StartServing(JobEntry& e) {
                    });
 }
 
-absl::Status Coordinator::Infer(const std::string& job, std::string input, ServingQueue::Done done) {
+absl::Status Coordinator::Infer(const std::string& job, std::string input, ServingQueue::Done done,
+                               std::shared_ptr<const std::atomic<bool>> cancelled) {
   std::shared_ptr<ServingQueue> queue;
   {
     absl::MutexLock lock(&mu_);
@@ -436,7 +437,7 @@ absl::Status Coordinator::Infer(const std::string& job, std::string input, Servi
     }
     queue = found->serving;
   }
-  return queue->Submit(std::move(input), std::move(done));
+  return queue->Submit(std::move(input), std::move(done), std::move(cancelled));
 }
 
 std::vector<Job> Coordinator::ListJobs() {
@@ -1167,6 +1168,31 @@ std::string Coordinator::MetricsText() {
   for (const auto& [id, e] : jobs_) {
     if (Terminal(e.job.state()) || e.checkpoint_time == absl::InfinitePast()) continue;
     x.Sample("pippy_checkpoint_age_seconds", {{"job", id}}, absl::ToDoubleSeconds(now - e.checkpoint_time));
+  }
+  // Serving jobs (the ones that have not ended).
+  std::vector<std::pair<std::string, ServingStats>> serving;
+  for (const auto& [id, e] : jobs_) {
+    if (e.serving != nullptr && !Terminal(e.job.state())) serving.emplace_back(id, e.serving->Stats());
+  }
+  x.Family("pippy_serving_requests_total", "counter", "Requests a serving job answered, by outcome");
+  for (const auto& [id, s] : serving) {
+    x.Sample("pippy_serving_requests_total", {{"job", id}, {"outcome", "ok"}},
+             static_cast<double>(s.requests() - s.failed()));
+    x.Sample("pippy_serving_requests_total", {{"job", id}, {"outcome", "error"}}, static_cast<double>(s.failed()));
+  }
+  x.Family("pippy_serving_rows_total", "counter", "Rows a serving job answered");
+  for (const auto& [id, s] : serving) x.Sample("pippy_serving_rows_total", {{"job", id}}, static_cast<double>(s.rows()));
+  x.Family("pippy_serving_microbatches_total", "counter", "Micro-batches a serving job sent through its pipeline");
+  for (const auto& [id, s] : serving) {
+    x.Sample("pippy_serving_microbatches_total", {{"job", id}}, static_cast<double>(s.microbatches()));
+  }
+  x.Family("pippy_serving_queued_requests", "gauge", "Requests waiting for a micro-batch");
+  for (const auto& [id, s] : serving) x.Sample("pippy_serving_queued_requests", {{"job", id}}, s.queued());
+  x.Family("pippy_serving_inflight_microbatches", "gauge", "Micro-batches in a serving job's pipeline");
+  for (const auto& [id, s] : serving) x.Sample("pippy_serving_inflight_microbatches", {{"job", id}}, s.inflight());
+  x.Family("pippy_serving_request_seconds", "histogram", "Request latency: arrival at the coordinator to answer");
+  for (const auto& [id, s] : serving) {
+    x.HistogramSamples("pippy_serving_request_seconds", {{"job", id}}, jobs_.at(id).serving->LatencySeconds());
   }
   return x.text();
 }

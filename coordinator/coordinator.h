@@ -124,7 +124,8 @@ class Coordinator {
   // see ServingQueue). Requests that come while the job is still being placed, or is
   // RECOVERING, wait for it to serve. Errors: NOT_FOUND; FAILED_PRECONDITION for a job
   // that is not a serving job or has ended; ServingQueue::Submit's.
-  absl::Status Infer(const std::string& job, std::string input, ServingQueue::Done done);
+  absl::Status Infer(const std::string& job, std::string input, ServingQueue::Done done,
+                     std::shared_ptr<const std::atomic<bool>> cancelled = nullptr);
 
   // Prometheus text exposition of the coordinator's state (jobs and workers by state,
   // steps, samples, step times, data-plane bytes the ranks reported, heartbeat and

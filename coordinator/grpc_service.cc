@@ -227,17 +227,24 @@ grpc::Status CoordinatorGrpc::Infer(grpc::ServerContext* context, const InferReq
     ServingQueue::Answer answer ABSL_GUARDED_BY(mu);
   };
   auto wait = std::make_shared<Wait>();
-  absl::Status queued = logic_->Infer(request->job(), request->input(), [wait](ServingQueue::Answer a) {
-    absl::MutexLock lock(&wait->mu);
-    wait->answer = std::move(a);
-    wait->done = true;
-  });
+  auto cancelled = std::make_shared<std::atomic<bool>>(false);
+  absl::Status queued = logic_->Infer(
+      request->job(), request->input(),
+      [wait](ServingQueue::Answer a) {
+        absl::MutexLock lock(&wait->mu);
+        wait->answer = std::move(a);
+        wait->done = true;
+      },
+      cancelled);
   if (!queued.ok()) return ToGrpc(queued);
   absl::MutexLock lock(&wait->mu);
   // Every request is answered (the job's end fails what is left); the client's cancel
-  // or deadline ends the wait sooner.
+  // or deadline ends the wait sooner, and the request is dropped if it has not left.
   while (!wait->mu.AwaitWithTimeout(absl::Condition(&wait->done), absl::Milliseconds(100))) {
-    if (context->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
+    if (context->IsCancelled()) {
+      cancelled->store(true);
+      return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
+    }
   }
   if (!wait->answer.status.ok()) return ToGrpc(wait->answer.status);
   *response = ResponseOf(request->request_id(), std::move(wait->answer));
@@ -255,7 +262,8 @@ grpc::Status CoordinatorGrpc::InferStream(grpc::ServerContext* context,
     bool reading ABSL_GUARDED_BY(mu) = true;
   };
   auto out = std::make_shared<Out>();
-  std::thread writer([out, stream, context] {
+  auto cancelled = std::make_shared<std::atomic<bool>>(false);
+  std::thread writer([out, stream, context, cancelled] {
     while (true) {
       InferResponse r;
       {
@@ -264,7 +272,10 @@ grpc::Status CoordinatorGrpc::InferStream(grpc::ServerContext* context,
           return !out->ready.empty() || (!out->reading && out->outstanding == 0);
         };
         if (!out->mu.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(100))) {
-          if (context->IsCancelled()) return;
+          if (context->IsCancelled()) {
+            cancelled->store(true);  // the stream's requests still waiting are dropped
+            return;
+          }
           continue;
         }
         if (out->ready.empty()) return;  // all read and answered
@@ -288,7 +299,8 @@ grpc::Status CoordinatorGrpc::InferStream(grpc::ServerContext* context,
       --out->outstanding;
     };
     absl::Status queued = req.job().empty() ? absl::InvalidArgumentError("job: missing (an id or a name)")
-                                            : logic_->Infer(req.job(), std::move(*req.mutable_input()), answer);
+                                            : logic_->Infer(req.job(), std::move(*req.mutable_input()), answer,
+                                                            cancelled);
     if (!queued.ok()) answer(ServingQueue::Answer{queued});
   }
   {

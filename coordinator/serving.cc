@@ -32,10 +32,14 @@ struct Request {
   std::string bucket;            // where it waits (its shape's, or its own once it goes alone)
   absl::Time arrival;
   ServingQueue::Done done;
+  std::shared_ptr<const std::atomic<bool>> cancelled;  // the client went away
   bool finished = false;
   bool solo = false;             // sent alone after a shared micro-batch failed
   int generation = 0;            // parts of an earlier try are ignored
   int64_t queued_to = 0;         // rows [0, queued_to) are in micro-batches
+
+  // Nothing of it has left yet and its client is gone: it need not be computed.
+  bool Abandoned() const { return queued_to == 0 && cancelled != nullptr && cancelled->load(); }
   int64_t rows_done = 0;
   std::map<int64_t, c10::IValue> parts;  // first row -> those rows of the output
   double queue_ms = -1;
@@ -109,6 +113,8 @@ struct ServingQueue::Impl {
   int64_t requests ABSL_GUARDED_BY(mu) = 0, failed ABSL_GUARDED_BY(mu) = 0, rows ABSL_GUARDED_BY(mu) = 0;
   int64_t microbatches ABSL_GUARDED_BY(mu) = 0, microbatch_rows ABSL_GUARDED_BY(mu) = 0;
   std::deque<std::pair<absl::Time, double>> latencies ABSL_GUARDED_BY(mu);  // answered at, ms
+  metrics::Histogram latency_seconds ABSL_GUARDED_BY(mu){
+      {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30}};
   std::thread batcher;
 
   using Calls = std::vector<std::pair<Done, Answer>>;
@@ -126,6 +132,7 @@ struct ServingQueue::Impl {
     }
     const absl::Time now = absl::Now();
     latencies.emplace_back(now, Ms(now - r.arrival));
+    latency_seconds.Observe(absl::ToDoubleSeconds(now - r.arrival));
     while (latencies.size() > kLatencyWindow) latencies.pop_front();
     a.rows = r.rows;
     a.queue_ms = std::max(0.0, r.queue_ms);
@@ -165,7 +172,7 @@ struct ServingQueue::Impl {
       }
       int64_t waiting = 0;
       for (const auto& r : q) {
-        if (!r->finished && r->bucket == it->first) waiting += r->rows - r->queued_to;
+        if (!r->finished && r->bucket == it->first && !r->Abandoned()) waiting += r->rows - r->queued_to;
         if (waiting >= options.max_batch) break;
       }
       const absl::Time due = q.front()->arrival + options.max_delay;
@@ -198,10 +205,16 @@ struct ServingQueue::Impl {
       }
       // Take up to max_batch rows from the bucket, oldest request first.
       Inflight f;
+      Calls dropped;
       auto& q = buckets[pick];
       while (!q.empty() && f.rows < options.max_batch) {
         std::shared_ptr<Request> r = q.front();
         if (r->finished || r->bucket != pick) {
+          q.pop_front();
+          continue;
+        }
+        if (r->Abandoned()) {
+          Complete(*r, Answer{absl::CancelledError("the client went away before its request was sent")}, &dropped);
           q.pop_front();
           continue;
         }
@@ -211,6 +224,11 @@ struct ServingQueue::Impl {
         f.rows += n;
         if (r->queued_to == r->rows) q.pop_front();
         if (r->solo) break;  // alone: nothing shares its micro-batch
+      }
+      if (!dropped.empty()) {
+        mu.Unlock();
+        Run(dropped);
+        mu.Lock();
       }
       if (f.segments.empty()) continue;
       const absl::Time now = absl::Now();
@@ -292,7 +310,7 @@ ServingQueue::~ServingQueue() {
   impl_->batcher.join();
 }
 
-absl::Status ServingQueue::Submit(std::string input, Done done) {
+absl::Status ServingQueue::Submit(std::string input, Done done, std::shared_ptr<const std::atomic<bool>> cancelled) {
   const Options& o = impl_->options;
   auto r = std::make_shared<Request>();
   r->arrival = absl::Now();
@@ -315,17 +333,7 @@ absl::Status ServingQueue::Submit(std::string input, Done done) {
                                                        "rows along dim 0"));
       }
       at::Tensor t = args[i].toTensor();
-      if (t.dim() == 0) return absl::InvalidArgumentError(absl::StrCat(name, " is a scalar; rows go along dim 0"));
-      if (t.layout() != at::kStrided || !t.device().is_cpu() || c10::isQIntType(t.scalar_type()) ||
-          t.scalar_type() == at::kComplexHalf) {
-        return absl::InvalidArgumentError(absl::StrCat(name, " is a ", t.toString(),
-                                                       " tensor; send dense CPU tensors of a plain dtype"));
-      }
-      if (t.numel() > 0 && t.has_storage() &&
-          static_cast<uint64_t>(t.numel()) * t.element_size() > static_cast<uint64_t>(t.storage().nbytes())) {
-        return absl::InvalidArgumentError(absl::StrCat(name, " is an expanded or overlapping view; save it with "
-                                                       ".contiguous()"));
-      }
+      PIPPY_RETURN_IF_ERROR(partition::CheckRowTensor(t, name));
       const std::string dtype = partition::DtypeName(t.scalar_type());
       if (i < o.input_dtypes.size() && !o.input_dtypes[i].empty() && dtype != o.input_dtypes[i]) {
         return absl::InvalidArgumentError(absl::StrCat(name, " is ", dtype, " but the model takes ", o.input_dtypes[i],
@@ -353,6 +361,7 @@ absl::Status ServingQueue::Submit(std::string input, Done done) {
   }
   r->bucket = BucketOf(r->inputs);
   r->done = std::move(done);
+  r->cancelled = std::move(cancelled);
   absl::MutexLock lock(&impl_->mu);
   if (impl_->stopped) return impl_->stop_reason;
   if (impl_->unfinished >= o.max_queued) {
@@ -494,6 +503,11 @@ void ServingQueue::OnResult(const ServeResult& result) {
   impl_->mu.Unlock();
   Impl::Run(calls);
   impl_->mu.Lock();
+}
+
+metrics::Histogram ServingQueue::LatencySeconds() const {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->latency_seconds;
 }
 
 ServingStats ServingQueue::Stats() const {

@@ -26,6 +26,7 @@
 #ifndef PIPPY_COORDINATOR_SERVING_H_
 #define PIPPY_COORDINATOR_SERVING_H_
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -33,6 +34,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "common/metrics.h"
 #include "proto/coordinator.pb.h"
 
 namespace pippy::coordinator {
@@ -68,10 +70,12 @@ class ServingQueue {
 
   // Checks the request (a torch.save'd tensor, tuple, list or dict of forward()'s
   // arguments, or a data file's "inputs") and queues it; `done` is called exactly once
-  // when OK is returned. Errors: INVALID_ARGUMENT naming the input and what is wrong;
-  // RESOURCE_EXHAUSTED when options.max_queued requests wait already; UNAVAILABLE once
-  // stopped.
-  absl::Status Submit(std::string input, Done done);
+  // when OK is returned. Once `*cancelled` is set (the client went away or its deadline
+  // passed), a request still waiting is dropped (CANCELLED) instead of computed.
+  // Errors: INVALID_ARGUMENT naming the input and what is wrong; RESOURCE_EXHAUSTED
+  // when options.max_queued requests wait already; UNAVAILABLE once stopped.
+  absl::Status Submit(std::string input, Done done,
+                      std::shared_ptr<const std::atomic<bool>> cancelled = nullptr);
   // The pipeline of `attempt` is ready: `rank_inputs[r]` lists the model inputs rank
   // r's stages read. Queued requests start to flow.
   void Start(int attempt, std::vector<std::vector<int>> rank_inputs, Dispatch dispatch);
@@ -83,6 +87,8 @@ class ServingQueue {
   // The last rank's answer for a micro-batch (other attempts' are ignored).
   void OnResult(const ServeResult& result);
   ServingStats Stats() const;
+  // Request latency (arrival to answer, seconds) of every answered request, for /metrics.
+  metrics::Histogram LatencySeconds() const;
 
  private:
   struct Impl;

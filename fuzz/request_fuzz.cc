@@ -27,8 +27,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (const auto& names : kArguments) {
     auto args = pippy::partition::ToForwardArguments(*value, names, "input");
     if (!args.ok()) continue;
+    // As the coordinator does (ServingQueue::Submit): tensors it accepts are read whole.
     for (const c10::IValue& a : *args) {
-      if (a.isTensor() && a.toTensor().numel() > 0) (void)a.toTensor().sum();  // reads every element
+      if (!a.isTensor() || !pippy::partition::CheckRowTensor(a.toTensor(), "input").ok()) continue;
+      try {  // inside TorchCall there, which turns LibTorch's exceptions into errors
+        if (a.toTensor().numel() > 0) (void)a.toTensor().contiguous().sum();  // reads every element
+      } catch (const c10::Error&) {
+      }
     }
   }
   return 0;

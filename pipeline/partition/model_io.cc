@@ -53,7 +53,7 @@ class ViewReadAdapter : public caffe2::serialize::ReadAdapterInterface {
   explicit ViewReadAdapter(absl::string_view bytes) : bytes_(bytes) {}
   size_t size() const override { return bytes_.size(); }
   size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/) const override {
-    if (pos >= bytes_.size()) return 0;
+    if (pos >= bytes_.size() || n == 0) return 0;  // an empty record's buffer may be null (request_fuzz, UBSan)
     n = std::min<size_t>(n, bytes_.size() - pos);
     std::memcpy(buf, bytes_.data() + pos, n);
     return n;
@@ -365,6 +365,7 @@ absl::StatusOr<c10::IValue> LoadPickled(absl::string_view bytes, const std::stri
     const std::string& p = *pickle;
     auto next = [&](char* buffer, size_t len) -> size_t {
       const size_t n = std::min(len, p.size() - read);
+      if (n == 0) return 0;
       std::memcpy(buffer, p.data() + read, n);
       read += n;
       return n;
@@ -382,6 +383,22 @@ absl::StatusOr<c10::IValue> LoadPickled(absl::string_view bytes, const std::stri
 }
 
 }  // namespace
+
+absl::Status CheckRowTensor(const at::Tensor& t, const std::string& what) {
+  if (t.dim() == 0) return absl::InvalidArgumentError(absl::StrCat(what, " is a scalar; rows go along dim 0"));
+  if (t.layout() != at::kStrided || !t.device().is_cpu() || c10::isQIntType(t.scalar_type()) ||
+      t.scalar_type() == at::kComplexHalf) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " is a ", t.toString(), " tensor; only dense CPU tensors of a plain dtype are accepted"));
+  }
+  if (t.numel() > 0 && t.has_storage() &&
+      static_cast<uint64_t>(t.numel()) * t.element_size() > static_cast<uint64_t>(t.storage().nbytes())) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " is an expanded or overlapping view (", t.numel(),
+                                                   " elements over ", t.storage().nbytes(),
+                                                   " bytes); save it with .contiguous()"));
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<c10::IValue> PickleLoad(absl::string_view bytes, const std::string& what) {
   return LoadPickled(bytes, what, nullptr);

@@ -62,6 +62,13 @@ absl::StatusOr<c10::IValue> PickleLoad(absl::string_view bytes, const std::strin
 absl::StatusOr<c10::IValue> PickleLoadUntrusted(absl::string_view bytes, const std::string& what,
                                                 const PickleLimits& limits = {});
 
+// A tensor of samples (data files) or rows (serving requests), as pippy accepts them:
+// at least one dimension (rows along dim 0), dense, on the CPU, of a plain dtype (not
+// quantized: LibTorch's index_select throws from where no one catches it), and not an
+// expanded or overlapping view (a [10^9, 10^9] view of one element is a file of a few
+// bytes that every copy would expand). Errors: INVALID_ARGUMENT starting with `what`.
+absl::Status CheckRowTensor(const at::Tensor& t, const std::string& what);
+
 // Reads any value written by torch.save (tensor, tuple, list, dict, number).
 absl::StatusOr<c10::IValue> LoadTorchSaved(const std::string& path);
 

@@ -149,6 +149,11 @@ class Scanner {
   }
   absl::Status Memoize(uint64_t key) {
     if (stack_.empty() || stack_.back().mark) return Bad("memoizes a value that is not there");
+    // The unpickler sizes its memo table by the largest index (found by request_fuzz:
+    // one LONG_BINPUT of 3 billion made it allocate 24 GB); Python numbers them 0, 1, ...
+    if (strict_ && key > memo_.size()) {
+      return Bad(absl::StrCat("memo index ", key, " skips past the ", memo_.size(), " stored so far"));
+    }
     if (memo_.size() >= 1000000) return Bad("too many memoized values");
     memo_[key] = stack_.back();
     return absl::OkStatus();

@@ -18,11 +18,19 @@ rm -rf "$TMP" && mkdir -p "$TMP"
 source "$PWD/tests/e2e/testlib.sh"
 export OPENBLAS_NUM_THREADS=1
 
-"$COORD" --bind 127.0.0.1 --port 0 --port-file "$TMP/port" --state-dir "$TMP/state" --heartbeat-timeout-s 3 \
-  > "$TMP/coordinator.log" 2>&1 &
-pids+=($!)
-for _ in $(seq 100); do [ -s "$TMP/port" ] && break; sleep 0.1; done
-ADDR="127.0.0.1:$(cat "$TMP/port")"
+METRICS_PORT=$(free_port)
+start_coordinator() {  # PORT (0: any)
+  rm -f "$TMP/port"
+  "$COORD" --bind 127.0.0.1 --port "$1" --port-file "$TMP/port" --state-dir "$TMP/state" --heartbeat-timeout-s 3 \
+    --metrics-port "$METRICS_PORT" \
+    >> "$TMP/coordinator.log" 2>&1 &
+  coord_pid=$!
+  pids+=($coord_pid)
+  for _ in $(seq 100); do [ -s "$TMP/port" ] && break; sleep 0.1; done
+  PORT=$(cat "$TMP/port")
+  ADDR="127.0.0.1:$PORT"
+}
+start_coordinator 0
 ctl() { "$PIPPYCTL" --coordinator "$ADDR" "$@"; }
 declare -A worker_pid
 for i in 0 1 2 3; do
@@ -86,6 +94,37 @@ batched=$(json_get "$JOB" "j['serving']['mean_batch_rows'] > 3")
 [ "$batched" = "True" ] && ok "requests share micro-batches (mean rows $(json_get "$JOB" "round(j['serving']['mean_batch_rows'], 1)"))" \
   || bad "micro-batches were not shared: $(json_get "$JOB" "j['serving']")"
 
+# The serving counters on /metrics, read with Prometheus' own parser.
+if /usr/bin/python3 - "$METRICS_PORT" "$JOB" > "$TMP/metrics.out" 2>&1 <<'PY'
+import sys, urllib.request
+from prometheus_client.parser import text_string_to_metric_families
+port, job = sys.argv[1:3]
+with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+    fams = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+def value(fam, **labels):
+    return sum(s.value for s in fams[fam].samples if s.name in (fam, fam + "_total", fam + "_count")
+               and all(s.labels.get(k) == v for k, v in labels.items()))
+ok, err = value("pippy_serving_requests", job=job, outcome="ok"), value("pippy_serving_requests", job=job, outcome="error")
+assert ok >= 177 and err >= 4, (ok, err)
+assert fams["pippy_serving_request_seconds"].type == "histogram"
+assert value("pippy_serving_request_seconds", job=job) == ok + err
+assert value("pippy_serving_microbatches", job=job) > 0 and value("pippy_serving_rows", job=job) > ok
+print(f"{ok:.0f} ok, {err:.0f} failed, {value('pippy_serving_microbatches', job=job):.0f} micro-batches")
+PY
+then ok "/metrics: $(cat "$TMP/metrics.out")"; else bad "metrics: $(cat "$TMP/metrics.out")"; fi
+
+# A client that gives up while its request waits: the request is dropped, not computed.
+ctl serve "$ZOO/gpt.pt" --stages 1 --example "$ZOO/gpt.input.pt" --max-batch 64 --max-delay-ms 3000 \
+  --name gpt-slow --wait > "$TMP/serve3.out" 2>&1
+JOB3=$(head -1 "$TMP/serve3.out")
+ctl infer "$JOB3" --input "$TMP/one.pt" --timeout-s 0.5 > /dev/null 2> "$TMP/deadline.err"
+sleep 3
+dropped=$(json_get "$JOB3" "(int(j['serving'].get('microbatches', 0)), int(j['serving'].get('failed', 0)))")
+grep -q "DEADLINE_EXCEEDED\|Deadline" "$TMP/deadline.err" && [ "$dropped" = "(0, 1)" ] \
+  && ok "a request whose client's deadline passed while it waited is dropped (micro-batches, failed: $dropped)" \
+  || bad "deadline: $(cat "$TMP/deadline.err") $dropped"
+ctl cancel "$JOB3" > /dev/null
+
 # A malformed request does not reach the pipeline (or disturb it): the next one is answered.
 printf 'garbage' > "$TMP/garbage.pt"
 ctl infer "$JOB" --input "$TMP/garbage.pt" > /dev/null 2> "$TMP/garbage.err"
@@ -144,6 +183,19 @@ fi
 ctl infer "$JOB" --input "$TMP/one.pt" -o "$TMP/one.again.pt" > /dev/null 2>&1 && cmp -s "$TMP/one.out.pt" "$TMP/one.again.pt" \
   || /usr/bin/python3 -c "import torch,sys; a=torch.load('$TMP/one.out.pt'); b=torch.load('$TMP/one.again.pt'); sys.exit(0 if torch.equal(a,b) else 1)" \
   && ok "after the restart the same request gives the same output" || bad "after restart: infer failed or differs"
+
+# The coordinator killed and restarted with the same state directory: the serving job
+# is placed again once the workers reconnect, and answers as before.
+kill -9 "$coord_pid"
+wait "$coord_pid" 2>/dev/null
+start_coordinator "$PORT"
+for _ in $(seq 300); do [ "$(json_get "$JOB" "j['state']" 2>/dev/null)" = "SERVING" ] && break; sleep 0.1; done
+if [ "$(json_get "$JOB" "j['state']")" = "SERVING" ] && ctl infer gpt-serve --input "$TMP/one.pt" -o "$TMP/one.third.pt" > /dev/null &&
+   /usr/bin/python3 -c "import torch,sys; a=torch.load('$TMP/one.out.pt'); b=torch.load('$TMP/one.third.pt'); sys.exit(0 if torch.equal(a,b) else 1)"; then
+  ok "coordinator restarted: the job serves again by its name, same output ($(json_get "$JOB" "j['history'][-1]['message'][:90]"))"
+else
+  bad "after the coordinator restart: $(json_get "$JOB" "j['state'], j.get('reason'), j.get('history')")"
+fi
 
 # Cancel: serving stops, the workers are free, requests are refused.
 ctl cancel "$JOB" > /dev/null
