@@ -123,7 +123,7 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--max-delay-ms", type=int, default=2)
-    ap.add_argument("--max-inflight", type=int, default=0, help="pippy serving's (0: the job's default, one per stage)")
+    ap.add_argument("--max-inflight", type=int, default=0, help="pippy serving's (0: the job's default, stages + 1)")
     ap.add_argument("--threads", type=int, default=2, help="compute threads of the LibTorch process")
     a = ap.parse_args()
     WIDTH = a.width

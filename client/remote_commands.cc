@@ -113,7 +113,7 @@ void PrintJob(const Job& j) {
     const ServingSpec& sv = j.spec().serving();
     const ServingStats& st = j.serving();
     std::cout << "  serving: micro-batches of up to " << sv.max_batch() << " rows or " << sv.max_delay_ms()
-              << " ms, " << (sv.max_inflight() > 0 ? sv.max_inflight() : j.plan().stages_size())
+              << " ms, " << (sv.max_inflight() > 0 ? sv.max_inflight() : j.plan().stages_size() + 1)
               << " in the pipeline at most\n"
               << absl::StrFormat("  requests %d (%d failed), rows %d, micro-batches %d (%.1f rows each), queued %d, "
                                  "in flight %d\n",
@@ -532,7 +532,8 @@ void AddServe(CLI::App& root, const GlobalFlags& g, int* exit_code) {
                   "0: send at once)")
       ->check(CLI::Range(0, 60000));
   cmd->add_option("--max-inflight", f->max_inflight,
-                  "micro-batches in the pipeline at once (default: one per stage; 1: one at a time)")
+                  "micro-batches in the pipeline at most: one per stage as soon as due, more only full (default: stages "
+                  "+ 1; 1: one at a time)")
       ->check(CLI::Range(1, 1024));
   cmd->add_option("--name", f->name, "the job's name, by which pippyctl infer finds it (default: the model file's)");
   cmd->add_option("--seed", f->seed, "seeds each rank's random number generator")->capture_default_str();

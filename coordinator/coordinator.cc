@@ -366,7 +366,8 @@ std::shared_ptr<ServingQueue> Coordinator::MakeServingQueue(const Job& job) {
   const ServingSpec& sv = job.spec().serving();
   o.max_batch = sv.max_batch();
   o.max_delay = absl::Milliseconds(sv.max_delay_ms());
-  o.max_inflight = sv.max_inflight() > 0 ? sv.max_inflight() : job.plan().stages_size();
+  o.stages = job.plan().stages_size();
+  o.max_inflight = sv.max_inflight() > 0 ? sv.max_inflight() : o.stages + 1;
   for (const ModelValue& v : job.plan().inputs()) {
     o.input_names.push_back(v.name());
     o.input_dtypes.push_back(v.has_example() ? v.example().dtype() : "");

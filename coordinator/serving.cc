@@ -160,7 +160,7 @@ struct ServingQueue::Impl {
 
   // The bucket to send now, if any (the one whose oldest request came first among
   // those full or due); else when the next one is due.
-  std::string Pick(absl::Time now, absl::Time* next_due) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  std::string Pick(absl::Time now, bool only_full, absl::Time* next_due) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     std::string pick;
     absl::Time pick_arrival = absl::InfiniteFuture();
     for (auto it = buckets.begin(); it != buckets.end();) {
@@ -176,12 +176,12 @@ struct ServingQueue::Impl {
         if (waiting >= options.max_batch) break;
       }
       const absl::Time due = q.front()->arrival + options.max_delay;
-      if (waiting >= options.max_batch || due <= now || q.front()->solo) {
+      if (waiting >= options.max_batch || (!only_full && (due <= now || q.front()->solo))) {
         if (q.front()->arrival < pick_arrival) {
           pick = it->first;
           pick_arrival = q.front()->arrival;
         }
-      } else {
+      } else if (!only_full) {
         *next_due = std::min(*next_due, due);
       }
       ++it;
@@ -194,7 +194,11 @@ struct ServingQueue::Impl {
     while (!exiting) {
       absl::Time next_due = absl::InfiniteFuture();
       std::string pick;
-      if (started && static_cast<int>(inflight.size()) < options.max_inflight) pick = Pick(absl::Now(), &next_due);
+      if (started && static_cast<int>(inflight.size()) < options.max_inflight) {
+        // Beyond one micro-batch per stage, only full ones go.
+        const bool only_full = static_cast<int>(inflight.size()) >= std::min(options.stages, options.max_inflight);
+        pick = Pick(absl::Now(), only_full, &next_due);
+      }
       if (pick.empty()) {
         if (next_due == absl::InfiniteFuture()) {
           wake.WaitWithTimeout(&mu, absl::Seconds(1));

@@ -7,9 +7,11 @@
 // no padding, which would change the outputs of a model that does not mask it). A
 // bucket leaves as a micro-batch once it holds max_batch rows, or once its oldest
 // request has waited max_delay; a request of more rows than max_batch is cut into
-// several micro-batches and its parts put back together. At most max_inflight
-// micro-batches are in the pipeline at once; while it is full, requests wait and
-// the next micro-batches come out larger (up to max_batch).
+// several micro-batches and its parts put back together. In the pipeline at once: up
+// to `stages` micro-batches (one per stage), and while that many are in it a further
+// one leaves only full (max_batch rows), up to max_inflight: so stage 0 gets its next
+// micro-batch as soon as it is free when requests are plenty, and when they are few
+// they wait for room and make larger micro-batches instead of many small ones.
 //
 // Isolation: a micro-batch that a stage's forward refuses (ServeResult.aborted) is
 // answered as follows: a micro-batch of one request fails it with INVALID_ARGUMENT
@@ -45,7 +47,8 @@ class ServingQueue {
     std::string job_id;                   // for logs
     int max_batch = 32;
     absl::Duration max_delay = absl::Milliseconds(5);
-    int max_inflight = 2;
+    int stages = 1;                        // of the pipeline
+    int max_inflight = 2;                  // micro-batches in it at most (>= 1)
     std::vector<std::string> input_names;  // forward()'s arguments
     std::vector<std::string> input_dtypes; // per argument, as the plan saw them ("float32"; "" unknown)
     std::vector<int> input_dims;           // per argument, number of dimensions (-1 unknown)

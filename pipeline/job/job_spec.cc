@@ -132,7 +132,7 @@ absl::Status CheckServing(JobSpec* spec) {
     return Bad("serving.max_delay_ms", "must be in [0, 60000] (0: send what is queued at once)");
   }
   if (sv->max_inflight() < 0 || sv->max_inflight() > 1024) {
-    return Bad("serving.max_inflight", "must be in [0, 1024] (0: one per stage)");
+    return Bad("serving.max_inflight", "must be in [0, 1024] (0: stages + 1)");
   }
   ScheduleSpec* sched = spec->mutable_schedule();
   if (sched->kind() == SCHEDULE_KIND_UNSPECIFIED) sched->set_kind(SCHEDULE_INFERENCE);
