@@ -109,6 +109,14 @@ void PrintJob(const Job& j) {
     std::cout << "; stage files " << absl::StrJoin(sizes, ", ");
   }
   std::cout << "\n";
+  if (j.edges_size() > 0) {
+    std::vector<std::string> edges;
+    for (const StageEdge& e : j.edges()) {
+      edges.push_back(absl::StrCat(e.from_stage(), "->", e.to_stage(), " ", e.transport(), " (rank ", e.from_rank(),
+                                   "->", e.to_rank(), ")"));
+    }
+    std::cout << "  stage edges: " << absl::StrJoin(edges, ", ") << "\n";
+  }
   if (j.spec().has_serving()) {
     const ServingSpec& sv = j.spec().serving();
     const ServingStats& st = j.serving();

@@ -1,5 +1,6 @@
 #include <stdexcept>
 
+#include "common/device.h"
 #include "common/log.h"
 #include "common/metrics.h"
 #include "common/status.h"
@@ -18,6 +19,35 @@ absl::Status Quarter(int x, int* out) {
   PIPPY_ASSIGN_OR_RETURN(int h, Half(x));
   PIPPY_ASSIGN_OR_RETURN(*out, Half(h));
   return absl::OkStatus();
+}
+
+TEST(Device, ParseResolveAndCheck) {
+  EXPECT_EQ(ParseDevice("cpu")->ToString(), "cpu");
+  EXPECT_EQ(ParseDevice("cuda")->ToString(), "cuda:0");
+  EXPECT_EQ(ParseDevice("cuda:3")->ToString(), "cuda:3");
+  EXPECT_EQ(ParseDevice("auto")->ToString(), "auto");
+  for (const char* bad : {"gpu", "cuda:", "cuda:-1", "cuda:1x", "cuda: 1", "CPU", ""}) {
+    auto d = ParseDevice(bad);
+    EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(d.status().message().find("use cpu, cuda, cuda:N"), absl::string_view::npos) << bad;
+  }
+  // auto: the LOCAL_RANK-th visible GPU (modulo their number), else the CPU.
+  const Device a = *ParseDevice("auto");
+  EXPECT_EQ(ResolveDevice(a, 0, "3").ToString(), "cpu");
+  EXPECT_EQ(ResolveDevice(a, 4, nullptr).ToString(), "cuda:0");
+  EXPECT_EQ(ResolveDevice(a, 4, "3").ToString(), "cuda:3");
+  EXPECT_EQ(ResolveDevice(a, 2, "3").ToString(), "cuda:1");
+  EXPECT_EQ(ResolveDevice(a, 2, "x").ToString(), "cuda:0");
+  EXPECT_EQ(ResolveDevice(*ParseDevice("cuda:1"), 0, "0").ToString(), "cuda:1");
+  // A CPU-only LibTorch refuses cuda, saying how to build with one; an ordinal beyond
+  // the visible GPUs is refused with their number.
+  EXPECT_TRUE(CheckDevice(*ParseDevice("cpu"), false, 0).ok());
+  absl::Status no_cuda = CheckDevice(*ParseDevice("cuda:0"), false, 0);
+  EXPECT_EQ(no_cuda.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(no_cuda.message().find("this build's LibTorch has no CUDA"), absl::string_view::npos) << no_cuda;
+  EXPECT_NE(no_cuda.message().find("use --device cpu"), absl::string_view::npos) << no_cuda;
+  EXPECT_TRUE(CheckDevice(*ParseDevice("cuda:1"), true, 2).ok());
+  EXPECT_NE(CheckDevice(*ParseDevice("cuda:2"), true, 2).message().find("sees 2 GPU(s)"), absl::string_view::npos);
 }
 
 TEST(StatusMacros, AssignOrReturn_PropagatesFirstError) {

@@ -779,6 +779,24 @@ std::vector<Coordinator::RankSend> Coordinator::Place(JobEntry& e, const std::ve
     }
     sends.push_back(std::move(send));
   }
+  // The transport of each edge between ranks, from their workers' hosts and devices
+  // (replica 0's; the replicas are placed alike).
+  std::vector<job::RankPlace> places;
+  for (int r = 0; r < e.per_replica && r < static_cast<int>(workers.size()); ++r) {
+    const WorkerInfo& info = workers_[workers[static_cast<size_t>(r)]].info;
+    places.push_back({info.host(), info.device()});
+  }
+  e.job.clear_edges();
+  if (static_cast<int>(places.size()) == e.per_replica) {
+    for (const job::EdgeTransport& t : job::EdgeTransportsFor(e.job.plan(), e.stage_to_rank, places)) {
+      StageEdge* edge = e.job.add_edges();
+      edge->set_from_stage(t.from_stage);
+      edge->set_to_stage(t.to_stage);
+      edge->set_from_rank(t.from_rank);
+      edge->set_to_rank(t.to_rank);
+      edge->set_transport(t.transport);
+    }
+  }
   log::Info("job={} placing on {}{}", job_id, absl::StrJoin(workers, ", "),
             e.job.attempt() > 0 ? absl::StrCat(" (attempt ", e.job.attempt(), ", from step ", e.job.checkpoint_step(), ")")
                                 : "");

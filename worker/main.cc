@@ -21,7 +21,10 @@ int main(int argc, char** argv) {
   std::string log_level = "info";
   app.add_option("--coordinator", o.coordinator, "where the coordinator listens (HOST:PORT)")
       ->envname("PIPPY_COORDINATOR")->capture_default_str();
-  app.add_option("--device", o.device, "cpu (this build's LibTorch is CPU-only)")->capture_default_str();
+  app.add_option("--device", o.device,
+                 "cpu | cuda[:N] | auto (auto: the LOCAL_RANK-th visible GPU if this build's LibTorch has CUDA and "
+                 "sees one, else cpu; cuda needs a LibTorch with CUDA)")
+      ->capture_default_str();
   app.add_option("--name", o.name, "how the worker appears in `pippyctl workers` (default host:pid)");
   app.add_option("--threads", o.threads, "compute threads for LibTorch and OpenBLAS")->check(CLI::Range(1, 1024))->capture_default_str();
   app.add_option("--ucx-tls", o.ucx_tls, "UCX transports for the data plane (default: UCX chooses; e.g. sm,self "

@@ -15,7 +15,9 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "ATen/Context.h"
 #include "common/chunker.h"
+#include "common/device.h"
 #include "common/log.h"
 #include "common/memory.h"
 #include "common/metrics.h"
@@ -32,6 +34,7 @@
 #include "pipeline/transport/gloo/gloo_group.h"
 #include "pipeline/transport/ucx/ucx_transport.h"
 #include "proto/coordinator.grpc.pb.h"
+#include "torch/cuda.h"
 #include "torch/csrc/jit/runtime/graph_executor.h"
 #include "torch/csrc/jit/serialization/pickle.h"
 
@@ -759,11 +762,21 @@ class Agent {
 }  // namespace
 
 absl::Status RunAgent(const AgentOptions& options) {
-  if (options.device != "cpu") {
-    return absl::InvalidArgumentError(absl::StrCat("--device ", options.device,
-                                                   ": this build's LibTorch is CPU-only; use --device cpu"));
+  PIPPY_ASSIGN_OR_RETURN(Device device, ParseDevice(options.device));
+  const bool has_cuda = at::hasCUDA();
+  const int gpus = has_cuda ? static_cast<int>(torch::cuda::device_count()) : 0;
+  device = ResolveDevice(device, gpus, std::getenv("LOCAL_RANK"));
+  PIPPY_RETURN_IF_ERROR(CheckDevice(device, has_cuda, gpus));
+  if (device.kind == Device::Kind::kCuda) {
+    // This LibTorch could, but the worker does not yet place stages on GPUs: refuse
+    // rather than run on the CPU under a GPU's name.
+    return absl::UnimplementedError(absl::StrCat("--device ", device.ToString(),
+                                                 ": this version runs stages on CPUs only; use --device cpu"));
   }
-  Agent agent(options);
+  AgentOptions o = options;
+  o.device = device.ToString();
+  log::Info("device {}{}", o.device, options.device == "auto" ? " (auto: this LibTorch sees no GPU)" : "");
+  Agent agent(o);
   return agent.Run();
 }
 

@@ -1,6 +1,9 @@
 #include "pipeline/job/job_plan.h"
 
 #include <algorithm>
+#include <set>
+#include <tuple>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "pipeline/job/job_spec.h"
@@ -124,6 +127,35 @@ PipelinePlan PlanSliceFor(const PipelinePlan& plan, const schedule::Schedule& sc
     if (schedule.stage_to_rank[sp.index()] != rank) sp.clear_parameters();
   }
   return slice;
+}
+
+std::vector<EdgeTransport> EdgeTransportsFor(const PipelinePlan& plan, const std::vector<int>& stage_to_rank,
+                                             const std::vector<RankPlace>& ranks) {
+  std::vector<EdgeTransport> edges;
+  std::set<std::pair<int, int>> seen;
+  auto is_gpu = [](const std::string& device) { return device.rfind("cuda", 0) == 0; };
+  for (const StagePlan& sp : plan.stages()) {
+    for (const StageOutput& out : sp.outputs()) {
+      for (int c : out.consumers()) {
+        const int from = stage_to_rank[static_cast<size_t>(sp.index())];
+        const int to = stage_to_rank[static_cast<size_t>(c)];
+        if (from == to || !seen.insert({sp.index(), c}).second) continue;
+        const RankPlace& a = ranks[static_cast<size_t>(from)];
+        const RankPlace& b = ranks[static_cast<size_t>(to)];
+        EdgeTransport e{sp.index(), c, from, to, "ucx"};
+        if (is_gpu(a.device) && is_gpu(b.device)) {
+          e.transport = a.host == b.host && a.device == b.device ? "ucx+staging" : "nccl";
+        } else if (is_gpu(a.device) || is_gpu(b.device)) {
+          e.transport = "ucx+staging";
+        }
+        edges.push_back(e);
+      }
+    }
+  }
+  std::sort(edges.begin(), edges.end(), [](const EdgeTransport& x, const EdgeTransport& y) {
+    return std::tie(x.from_stage, x.to_stage) < std::tie(y.from_stage, y.to_stage);
+  });
+  return edges;
 }
 
 }  // namespace pippy::job

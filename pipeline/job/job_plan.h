@@ -6,6 +6,7 @@
 #ifndef PIPPY_PIPELINE_JOB_JOB_PLAN_H_
 #define PIPPY_PIPELINE_JOB_JOB_PLAN_H_
 
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -47,6 +48,31 @@ DataNeeds DataNeedsOf(const JobSpec& spec, const PipelinePlan& plan, const sched
 // The plan as a rank is sent it: every stage's inputs, outputs and consumers, the
 // tied-weight groups, and parameter lists only for the rank's own stages.
 PipelinePlan PlanSliceFor(const PipelinePlan& plan, const schedule::Schedule& schedule, int rank);
+
+// Where a rank runs: the worker's host and its device ("cpu", "cuda:N").
+struct RankPlace {
+  std::string host;
+  std::string device;
+};
+
+// How activations and gradients cross one edge of the stage graph between two ranks:
+//   "ucx"          both ranks on CPUs;
+//   "nccl"         both on GPUs, and not the same one (another host, or another
+//                  ordinal on the same host);
+//   "ucx+staging"  a GPU and a CPU rank, or two workers sharing one GPU (NCCL needs a
+//                  device per rank): CUDA tensors staged through pinned host buffers
+//                  and sent over UCX.
+struct EdgeTransport {
+  int from_stage = 0, to_stage = 0;
+  int from_rank = 0, to_rank = 0;
+  std::string transport;
+};
+
+// Every edge (producer stage -> consumer stage) whose stages are on different ranks,
+// in stage order, with its transport, for the placement `ranks` (by rank).
+// REQUIRES: CheckPlan passed; stage_to_rank and ranks cover the plan's ranks.
+std::vector<EdgeTransport> EdgeTransportsFor(const PipelinePlan& plan, const std::vector<int>& stage_to_rank,
+                                             const std::vector<RankPlace>& ranks);
 
 }  // namespace pippy::job
 

@@ -34,7 +34,9 @@ start_coordinator 0
 ctl() { "$PIPPYCTL" --coordinator "$ADDR" "$@"; }
 declare -A worker_pid
 for i in 0 1 2 3; do
-  "$WORKER" --coordinator "$ADDR" --name "w$i" --ucx-tls sm,self --threads 1 --wait-timeout-s 20 \
+  device=cpu
+  [ "$i" = 3 ] && device=auto  # no GPU in this LibTorch: auto is the CPU
+  "$WORKER" --coordinator "$ADDR" --name "w$i" --device "$device" --ucx-tls sm,self --threads 1 --wait-timeout-s 20 \
     > "$TMP/w$i.log" 2>&1 &
   pids+=($!)
   worker_pid[w$i]=$!
@@ -42,6 +44,13 @@ done
 wait_idle() { for _ in $(seq 150); do [ "$(idle_workers)" = "$1" ] && return 0; sleep 0.1; done; return 1; }
 json_get() { ctl status "$1" --output json | /usr/bin/python3 -c "import json,sys; j=json.load(sys.stdin); print($2)"; }
 wait_idle 4 && ok "4 workers registered" || bad "4 workers registered"
+devices=$(ctl workers --output json | /usr/bin/python3 -c "import json,sys; print(sorted(w['device'] for w in json.load(sys.stdin)['workers']))")
+[ "$devices" = "['cpu', 'cpu', 'cpu', 'cpu']" ] && ok "--device auto without a GPU registers as cpu" || bad "devices: $devices"
+"$WORKER" --coordinator "$ADDR" --device cuda:0 > /dev/null 2> "$TMP/cuda.err"
+code=$?
+[ "$code" = 2 ] && grep -q "this build's LibTorch has no CUDA" "$TMP/cuda.err" \
+  && ok "--device cuda:0 on a CPU-only LibTorch exits 2: $(head -c 110 "$TMP/cuda.err")" \
+  || bad "--device cuda:0: exit $code $(cat "$TMP/cuda.err")"
 
 # Refused before anything is placed: no example input; a training schedule.
 ctl serve "$ZOO/gpt.pt" --stages 3 > /dev/null 2> "$TMP/noexample.err"
@@ -56,6 +65,8 @@ state=$(json_get "$JOB" "j['state']" 2>/dev/null)
 busy=$(ctl workers --output json | /usr/bin/python3 -c \
   "import json,sys; print(sum(1 for w in json.load(sys.stdin)['workers'] if w['state']=='BUSY'))")
 [ "$busy" = "3" ] && ok "3 workers hold the stages" || bad "busy workers: $busy"
+edges=$(ctl status "$JOB" | grep "stage edges")
+echo "$edges" | grep -q "0->1 ucx (rank 0->1), 1->2 ucx (rank 1->2)" && ok "status:$edges" || bad "edges: $edges"
 
 # One request through pippyctl infer (by name), checked in Python.
 /usr/bin/python3 - "$TMP" <<'PY'
@@ -136,7 +147,9 @@ ctl infer no-such-job --input "$TMP/one.pt" > /dev/null 2> "$TMP/nojob.err"
 grep -q "no serving job 'no-such-job'" "$TMP/nojob.err" && ok "an unknown job is NOT_FOUND naming it" \
   || bad "unknown job: $(cat "$TMP/nojob.err")"
 
-# A worker of the pipeline dies while requests are in flight.
+# A worker of the pipeline dies while requests are in flight: once the clients are
+# answered, the victim is frozen (SIGSTOP) so that the micro-batches reaching it stay
+# in the pipeline, and killed once the job counts some in flight.
 victim=$(ctl workers --output json | /usr/bin/python3 -c "
 import json,sys
 ws=[w for w in json.load(sys.stdin)['workers'] if w['state']=='BUSY' and w.get('rank', 0)==1]
@@ -153,6 +166,8 @@ def run():
             try:
                 c.infer(job, torch.randint(0, 64, (4, 16)))
                 codes.append("OK")
+                if not os.path.exists(f"{tmp}/load.ready"):
+                    open(f"{tmp}/load.ready", "w").close()
             except pippy.PippyError as e:
                 codes.append(e.code.name)
                 if e.code != grpc.StatusCode.UNAVAILABLE:
@@ -164,7 +179,9 @@ for t in threads: t.join()
 print(" ".join(sorted(set(codes))))
 PY
 load=$!
-sleep 1.5
+for _ in $(seq 300); do [ -e "$TMP/load.ready" ] && break; sleep 0.1; done
+kill -STOP "${worker_pid[$victim]}" 2>/dev/null
+for _ in $(seq 50); do [ "$(json_get "$JOB" "j['serving'].get('inflight', 0)")" != "0" ] && break; sleep 0.1; done
 kill -9 "${worker_pid[$victim]}" 2>/dev/null
 wait "$load"
 grep -q "UNAVAILABLE" "$TMP/inflight.out" && ! grep -q unexpected "$TMP/inflight.out" \
