@@ -31,6 +31,11 @@ std::vector<int> StagesOfRank(const std::vector<int>& stage_to_rank, int rank) {
 
 }  // namespace
 
+namespace {
+// A worker whose stages live in GPU memory (its registered free_memory is the GPU's).
+bool IsGpu(const WorkerInfo& w) { return w.device().rfind("cuda", 0) == 0; }
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(const Options& options) {
   std::unique_ptr<Coordinator> c(new Coordinator(options));
   auto artifacts = ArtifactStore::Open(options.state_dir);
@@ -205,6 +210,25 @@ absl::StatusOr<std::string> Coordinator::SubmitJob(const JobSpec& spec, std::uni
           " are registered; use fewer stages, more stages per worker (an interleaved schedule)",
           replicas > 1 ? " or fewer replicas" : ""));
     }
+    // GPU workers only: a rank whose stages fit none of them can never be placed.
+    bool any_cpu = false;
+    int64_t largest_gpu = 0;
+    for (const auto& [wid, w] : workers_) {
+      if (IsGpu(w.info)) {
+        largest_gpu = std::max(largest_gpu, w.info.free_memory());
+      } else {
+        any_cpu = true;
+      }
+    }
+    for (int r = 0; refused.ok() && registered > 0 && !any_cpu && r < prepared->ranks; ++r) {
+      const int64_t bytes = job::RankMemoryBytes(prepared->spec, prepared->plan, prepared->stage_to_rank, r);
+      if (bytes > largest_gpu) {
+        refused = absl::InvalidArgumentError(absl::StrCat(
+            "split: rank ", r, " (stages ", absl::StrJoin(StagesOfRank(prepared->stage_to_rank, r), ","), ") needs ",
+            bytes, " bytes of device memory (parameters, gradients and optimizer state) but the largest GPU "
+            "worker registered has ", largest_gpu, " bytes free; split into more stages or add larger GPUs"));
+      }
+    }
     if (refused.ok()) {
       id = absl::StrCat("job-", next_job_++);
       refused = artifacts_->Accept(*upload, id);
@@ -247,13 +271,10 @@ void Coordinator::StageOut(const std::string& job_id) {
     JobEntry& e = jobs_[job_id];
     stages = std::move(e.stages);
     if (!Terminal(e.job.state())) {
-      std::vector<std::string> idle = IdleWorkers();
+      std::vector<std::string> chosen = FitWorkers(e, IdleWorkers());
       // Straight from memory when the job can run now and no earlier job waits for
       // these workers; else to files and the queue.
-      if (static_cast<int>(idle.size()) >= e.ranks && queue_.empty()) {
-        idle.resize(e.ranks);
-        sends = Place(e, idle);
-      }
+      if (!chosen.empty() && queue_.empty()) sends = Place(e, chosen);
     }
   }
   if (!sends.empty()) {
@@ -344,6 +365,39 @@ std::vector<std::string> Coordinator::IdleWorkers() {
     if (w.info.state() == IDLE) idle.push_back(id);
   }
   return idle;
+}
+
+std::vector<std::string> Coordinator::FitWorkers(const JobEntry& e, const std::vector<std::string>& idle) {
+  if (static_cast<int>(idle.size()) < e.ranks || e.ranks <= 0) return {};
+  std::vector<int64_t> need(static_cast<size_t>(e.ranks));
+  for (int g = 0; g < e.ranks; ++g) {
+    need[static_cast<size_t>(g)] =
+        job::RankMemoryBytes(e.job.spec(), e.job.plan(), e.stage_to_rank, g % std::max(1, e.per_replica));
+  }
+  std::vector<int> order(need.size());
+  for (size_t g = 0; g < order.size(); ++g) order[g] = static_cast<int>(g);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return need[a] > need[b]; });
+  std::vector<std::string> free = idle;
+  std::vector<std::string> chosen(need.size());
+  for (int g : order) {
+    int best = -1;
+    for (size_t k = 0; k < free.size(); ++k) {
+      const WorkerInfo& w = workers_.at(free[k]).info;
+      if (IsGpu(w)) {
+        if (w.free_memory() < need[g]) continue;
+        if (best < 0 || !IsGpu(workers_.at(free[best]).info) ||
+            w.free_memory() < workers_.at(free[best]).info.free_memory()) {
+          best = static_cast<int>(k);
+        }
+      } else if (best < 0) {
+        best = static_cast<int>(k);
+      }
+    }
+    if (best < 0) return {};
+    chosen[g] = free[best];
+    free.erase(free.begin() + best);
+  }
+  return chosen;
 }
 
 absl::StatusOr<Job> Coordinator::GetJob(const std::string& job_id) {
@@ -706,16 +760,15 @@ Coordinator::StageWriter Coordinator::StagesFromFiles(const std::string& job_id,
 void Coordinator::Schedule() {
   for (auto it = queue_.begin(); it != queue_.end();) {
     JobEntry& e = jobs_[*it];
-    std::vector<std::string> idle = IdleWorkers();
+    std::vector<std::string> chosen = FitWorkers(e, IdleWorkers());
     // A restart before the first checkpoint waits for the original stage files.
-    if (static_cast<int>(idle.size()) < e.ranks || (!e.stage_files_ready && e.job.checkpoint_step() == 0)) {
+    if (chosen.empty() || (!e.stage_files_ready && e.job.checkpoint_step() == 0)) {
       ++it;  // later jobs that fit may go first on the remaining workers
       continue;
     }
-    idle.resize(e.ranks);
     const std::string job_id = *it;
     it = queue_.erase(it);
-    std::vector<RankSend> sends = Place(e, idle);
+    std::vector<RankSend> sends = Place(e, chosen);
     StageWriter from_files = StagesFromFiles(job_id, e.job.checkpoint_step());
     for (RankSend& send : sends) {
       tasks_.Run([this, send = std::move(send), from_files] {

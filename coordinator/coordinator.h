@@ -200,6 +200,12 @@ class Coordinator {
   // files and the queue. Runs on a task thread; releases the model slot.
   void StageOut(const std::string& job_id);
   std::vector<std::string> IdleWorkers() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Workers for the job's ranks (by global rank) among `idle`, or none if they do not
+  // fit: a GPU worker takes a rank only if the rank's stages (job::RankMemoryBytes) fit
+  // in the device memory it registered; the largest ranks go first, each to the
+  // smallest GPU that holds it, else to a CPU worker.
+  std::vector<std::string> FitWorkers(const JobEntry& e, const std::vector<std::string>& idle)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Places queued jobs (whose stages are in files) on idle workers.
   void Schedule() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Assigns the job's ranks to `workers` and returns what each must be sent.

@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <set>
 #include <fstream>
 #include <sstream>
 
@@ -12,6 +13,7 @@
 #include "absl/synchronization/mutex.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "pipeline/job/job_plan.h"
 #include "pipeline/partition/model_io.h"
 #include "torch/csrc/jit/runtime/graph_executor.h"
 #include "torch/csrc/jit/serialization/pickle.h"
@@ -151,6 +153,17 @@ class CoordinatorTest : public ::testing::Test {
     auto c = Coordinator::Create(o);
     ASSERT_TRUE(c.ok()) << c.status();
     coordinator_ = std::move(*c);
+  }
+
+  // A worker that registers a device ("cuda:0") and the memory free on it.
+  std::shared_ptr<FakeWorker> AddDeviceWorker(const std::string& device, int64_t free_memory) {
+    auto w = std::make_shared<FakeWorker>();
+    RegisterWorker reg;
+    reg.set_name(absl::StrCat("w", ids_.size()));
+    reg.set_device(device);
+    reg.set_free_memory(free_memory);
+    ids_.push_back(coordinator_->AddWorker(reg, w));
+    return w;
   }
 
   // `previous`: the ids the workers had (reconnecting after a restart).
@@ -336,6 +349,40 @@ TEST_F(CoordinatorTest, ThreeStageJob_EachWorkerIsSentOnlyItsStageAndItsShareOfT
   EXPECT_LT(static_cast<double>(total), 1.5 * static_cast<double>(model.size()));
   std::cout << "[ figure   ] model " << model.size() << " bytes; 3 workers received " << total
             << " bytes of stages in all\n";
+}
+
+// Placement by device memory (issue 17's CPU-side part, with fake GPU workers): a job
+// whose rank fits no GPU is refused with the numbers; otherwise each rank goes to the
+// smallest GPU that holds it, else to a CPU worker, and never to a GPU too small.
+TEST_F(CoordinatorTest, GpuWorkers_PlacementByDeviceMemory) {
+  Start("device_memory", /*chunk_bytes=*/4096);
+  const std::string model = Slurp(kZoo + "mlp.pt");
+  const std::string data = Slurp(kZoo + "mlp.data.pt");
+  AddDeviceWorker("cuda:0", 1000);
+  AddDeviceWorker("cuda:1", 1000);
+  auto refused = Submit(MlpSpec(2), model, data);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("bytes of device memory"));
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("the largest GPU worker registered has 1000 bytes"));
+  // A big GPU and a CPU worker join: the job runs on them, not on the small GPUs.
+  AddDeviceWorker("cuda:0", int64_t{1} << 40);
+  AddDeviceWorker("cpu", 0);
+  JobSpec spec = MlpSpec(2);
+  spec.mutable_fault_tolerance()->set_max_restarts(0);
+  auto id = Submit(spec, model, data);
+  ASSERT_TRUE(id.ok()) << id.status();
+  Job job = WaitForJob(*id, [](const Job& j) { return j.workers_size() == 2; });
+  ASSERT_EQ(job.workers_size(), 2);
+  const std::set<std::string> used(job.workers().begin(), job.workers().end());
+  EXPECT_EQ(used, (std::set<std::string>{ids_[2], ids_[3]}));
+  // The rank that needs more memory is the big GPU's.
+  std::vector<int> stage_to_rank(job.stage_ranks().begin(), job.stage_ranks().end());
+  const int64_t r0 = job::RankMemoryBytes(job.spec(), job.plan(), stage_to_rank, 0);
+  const int64_t r1 = job::RankMemoryBytes(job.spec(), job.plan(), stage_to_rank, 1);
+  EXPECT_GT(r0, 1000);
+  EXPECT_EQ(job.workers(r0 >= r1 ? 0 : 1), ids_[2]);
+  EXPECT_TRUE(coordinator_->CancelJob(*id).ok());
 }
 
 TEST_F(CoordinatorTest, NoIdleWorkers_StagesGoToFiles_AndStreamFromThemOnceWorkersCome) {

@@ -129,6 +129,24 @@ PipelinePlan PlanSliceFor(const PipelinePlan& plan, const schedule::Schedule& sc
   return slice;
 }
 
+int64_t RankMemoryBytes(const JobSpec& spec, const PipelinePlan& plan, const std::vector<int>& stage_to_rank,
+                        int rank) {
+  int64_t copies = 1;  // the parameters (and buffers)
+  if (spec.mode() == MODE_TRAIN) {
+    copies += 1;  // gradients
+    const OptimizerSpec& o = spec.optimizer();
+    if (o.kind() == OPTIMIZER_ADAM || o.kind() == OPTIMIZER_ADAMW) copies += 2;
+    if (o.kind() == OPTIMIZER_SGD && o.momentum() > 0) copies += 1;
+  }
+  int64_t bytes = 0;
+  for (const StagePlan& sp : plan.stages()) {
+    if (static_cast<size_t>(sp.index()) < stage_to_rank.size() && stage_to_rank[static_cast<size_t>(sp.index())] == rank) {
+      bytes += sp.param_bytes();
+    }
+  }
+  return bytes * copies;
+}
+
 std::vector<EdgeTransport> EdgeTransportsFor(const PipelinePlan& plan, const std::vector<int>& stage_to_rank,
                                              const std::vector<RankPlace>& ranks) {
   std::vector<EdgeTransport> edges;

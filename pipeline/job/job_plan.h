@@ -49,6 +49,12 @@ DataNeeds DataNeedsOf(const JobSpec& spec, const PipelinePlan& plan, const sched
 // tied-weight groups, and parameter lists only for the rank's own stages.
 PipelinePlan PlanSliceFor(const PipelinePlan& plan, const schedule::Schedule& schedule, int rank);
 
+// Device memory a rank's stages need (a GPU worker's placement is checked against it):
+// their parameters, plus for a training job their gradients and the optimizer's state
+// (SGD with momentum: one buffer; Adam and AdamW: two). Activations are not counted.
+// REQUIRES: CheckSpec(spec) passed; stage_to_rank covers the plan.
+int64_t RankMemoryBytes(const JobSpec& spec, const PipelinePlan& plan, const std::vector<int>& stage_to_rank, int rank);
+
 // Where a rank runs: the worker's host and its device ("cpu", "cuda:N").
 struct RankPlace {
   std::string host;

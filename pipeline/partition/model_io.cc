@@ -189,10 +189,13 @@ absl::Status WriteModule(const torch::jit::Module& module,
                          const std::function<absl::Status(absl::string_view)>& sink) {
   absl::Status sink_error;
   absl::Status s = TorchCall("writing a TorchScript archive", [&] {
+    // Once the sink fails (a cancelled job's sender stops), the rest is discarded but
+    // reported as written: a short write makes PyTorchStreamWriter throw, and its
+    // destructor then throws again while unwinding (std::terminate: it took the
+    // coordinator down when a job was cancelled while its stages were streamed).
     torch::jit::ExportModule(module, [&](const void* data, size_t n) -> size_t {
-      if (!sink_error.ok()) return 0;
-      sink_error = sink(absl::string_view(static_cast<const char*>(data), n));
-      return sink_error.ok() ? n : 0;
+      if (sink_error.ok()) sink_error = sink(absl::string_view(static_cast<const char*>(data), n));
+      return n;
     });
   }, absl::StatusCode::kInternal);
   if (!sink_error.ok()) return sink_error;

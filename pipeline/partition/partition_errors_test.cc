@@ -35,6 +35,20 @@ absl::Status SplitError(const std::string& model, SplitOptions opts) {
   return SplitModel(*m, opts).status();
 }
 
+// A sink that fails part way (a cancelled job's stage sender) ends the write with its
+// error; LibTorch's writer must not be left to throw from its destructor (that was a
+// std::terminate in the coordinator).
+TEST(WriteModule, SinkFailingPartWay_ReturnsItsError) {
+  auto m = LoadModel(Zoo("gpt.pt"));
+  ASSERT_TRUE(m.ok()) << m.status();
+  int calls = 0;
+  absl::Status s = WriteModule(*m, [&](absl::string_view) {
+    return ++calls < 3 ? absl::OkStatus() : absl::CancelledError("the job was cancelled");
+  });
+  EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+  EXPECT_EQ(calls, 3);  // nothing more reached the sink after it failed
+}
+
 TEST(LoadModel, MissingFile_NotFoundNamingPath) {
   auto m = LoadModel("no/such/model.pt");
   EXPECT_EQ(m.status().code(), absl::StatusCode::kNotFound);
