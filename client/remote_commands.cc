@@ -250,11 +250,34 @@ int JobExitCode(const Job& job) {
 
 // ---- submit ---------------------------------------------------------------------
 
-struct SubmitFlags {
-  std::string model, data, synthetic, name;
+// Where to cut the model: submit's and serve's flags, and the SplitSpec they make.
+struct SplitFlags {
   int stages = 0;
   std::vector<std::string> split_at;
-  std::string balance = "params", schedule, loss, optimizer;
+  std::string balance = "params";
+};
+
+void AddSplitFlags(CLI::App* cmd, SplitFlags* f) {
+  cmd->add_option("--stages", f->stages, "split automatically into this many stages")->check(cli::Positive());
+  cmd->add_option("--split-at", f->split_at, "or cut before these modules (see pippyctl split --help)")
+      ->delimiter(',');
+  cmd->add_option("--balance", f->balance, "what an automatic split equalises: params | flops | time")
+      ->check(CLI::IsMember({"params", "flops", "time"}))->capture_default_str();
+}
+
+absl::Status SetSplit(const SplitFlags& f, JobSpec* spec) {
+  spec->mutable_split()->set_stages(f.stages);
+  for (const std::string& p : f.split_at) spec->mutable_split()->add_split_at(p);
+  auto balance = job::ParseBalance(f.balance);
+  if (!balance.ok()) return balance.status();
+  spec->mutable_split()->set_balance(*balance);
+  return absl::OkStatus();
+}
+
+struct SubmitFlags {
+  std::string model, data, synthetic, name;
+  SplitFlags split;
+  std::string schedule, loss, optimizer;
   int microbatches = 0, batch_size = 0, steps = 1, stages_per_worker = 0;
   double lr = 0.01, momentum = 0, clip = 0;
   std::optional<double> weight_decay, beta1, beta2, eps;
@@ -268,11 +291,8 @@ struct SubmitFlags {
 absl::StatusOr<JobSpec> SpecFrom(const SubmitFlags& f) {
   JobSpec spec;
   spec.set_name(f.name.empty() ? std::filesystem::path(f.model).stem().string() : f.name);
-  spec.mutable_split()->set_stages(f.stages);
-  for (const std::string& p : f.split_at) spec.mutable_split()->add_split_at(p);
-  auto balance = job::ParseBalance(f.balance);
-  if (!balance.ok()) return balance.status();
-  spec.mutable_split()->set_balance(*balance);
+  absl::Status split = SetSplit(f.split, &spec);
+  if (!split.ok()) return split;
   auto kind = job::ParseSchedule(f.schedule);
   if (!kind.ok()) return absl::InvalidArgumentError(absl::StrCat("schedule.kind: ", kind.status().message()));
   spec.mutable_schedule()->set_kind(*kind);
@@ -399,11 +419,7 @@ void AddSubmit(CLI::App& root, const GlobalFlags& g, int* exit_code) {
                                     "\"inputs=float32[256,1024];targets=float32[256,1024];seed=0\" "
                                     "(int64[64,16]@64 for integers in [0, 64); without seed= the job's --seed)");
   data->excludes(synthetic);
-  cmd->add_option("--stages", f->stages, "split automatically into this many stages")->check(cli::Positive());
-  cmd->add_option("--split-at", f->split_at, "or cut before these modules (see pippyctl split --help)")
-      ->delimiter(',');
-  cmd->add_option("--balance", f->balance, "what an automatic split equalises: params | flops | time")
-      ->check(CLI::IsMember({"params", "flops", "time"}))->capture_default_str();
+  AddSplitFlags(cmd, &f->split);
   cmd->add_option("--schedule", f->schedule, "gpipe | 1f1b | interleaved-1f1b | looped-bfs | zb1p | zbv | inference")
       ->required();
   cmd->add_option("--stages-per-worker", f->stages_per_worker,
@@ -450,9 +466,9 @@ void AddSubmit(CLI::App& root, const GlobalFlags& g, int* exit_code) {
 // ---- serve, infer -----------------------------------------------------------------
 
 struct ServeFlags {
-  std::string model, data, synthetic, name, balance = "params";
-  int stages = 0, max_batch = 0, max_inflight = 0;
-  std::vector<std::string> split_at;
+  std::string model, data, synthetic, name;
+  SplitFlags split;
+  int max_batch = 0, max_inflight = 0;
   std::optional<int> max_delay_ms;
   uint64_t seed = 0;
   bool wait = false;
@@ -462,11 +478,8 @@ struct ServeFlags {
 int RunServe(const ServeFlags& f, const GlobalFlags& g) {
   JobSpec spec;
   spec.set_name(f.name.empty() ? std::filesystem::path(f.model).stem().string() : f.name);
-  spec.mutable_split()->set_stages(f.stages);
-  for (const std::string& p : f.split_at) spec.mutable_split()->add_split_at(p);
-  auto balance = job::ParseBalance(f.balance);
-  if (!balance.ok()) return Fail(kProgram, balance.status());
-  spec.mutable_split()->set_balance(*balance);
+  absl::Status split = SetSplit(f.split, &spec);
+  if (!split.ok()) return Fail(kProgram, split);
   ServingSpec* sv = spec.mutable_serving();
   sv->set_max_batch(f.max_batch);
   if (f.max_delay_ms) sv->set_max_delay_ms(*f.max_delay_ms);
@@ -529,11 +542,7 @@ void AddServe(CLI::App& root, const GlobalFlags& g, int* exit_code) {
   auto* synthetic = cmd->add_option("--synthetic", f->synthetic,
                                     "or an example made by the coordinator: \"inputs=float32[8,1024]\"");
   data->excludes(synthetic);
-  cmd->add_option("--stages", f->stages, "split automatically into this many stages")->check(cli::Positive());
-  cmd->add_option("--split-at", f->split_at, "or cut before these modules (see pippyctl split --help)")
-      ->delimiter(',');
-  cmd->add_option("--balance", f->balance, "what an automatic split equalises: params | flops | time")
-      ->check(CLI::IsMember({"params", "flops", "time"}))->capture_default_str();
+  AddSplitFlags(cmd, &f->split);
   cmd->add_option("--max-batch", f->max_batch, "rows per micro-batch (default 32)")->check(cli::Positive());
   cmd->add_option("--max-delay-ms", f->max_delay_ms,
                   "how long the oldest waiting request may wait for others to share its micro-batch (default 5; "

@@ -18,6 +18,9 @@ struct Device {
   std::string ToString() const;  // "cpu", "cuda:1", "auto"
 };
 
+// Whether a worker's registered device (Device::ToString) is a GPU.
+bool IsGpuDevice(absl::string_view device);
+
 // "cpu" | "cuda" (= cuda:0) | "cuda:N" | "auto". Errors: INVALID_ARGUMENT naming the
 // flag and the accepted forms.
 absl::StatusOr<Device> ParseDevice(absl::string_view text);

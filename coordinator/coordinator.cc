@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/chunker.h"
+#include "common/device.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "coordinator/job_preparation.h"
@@ -29,11 +30,6 @@ std::vector<int> StagesOfRank(const std::vector<int>& stage_to_rank, int rank) {
   return out;
 }
 
-}  // namespace
-
-namespace {
-// A worker whose stages live in GPU memory (its registered free_memory is the GPU's).
-bool IsGpu(const WorkerInfo& w) { return w.device().rfind("cuda", 0) == 0; }
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(const Options& options) {
@@ -214,7 +210,7 @@ absl::StatusOr<std::string> Coordinator::SubmitJob(const JobSpec& spec, std::uni
     bool any_cpu = false;
     int64_t largest_gpu = 0;
     for (const auto& [wid, w] : workers_) {
-      if (IsGpu(w.info)) {
+      if (IsGpuDevice(w.info.device())) {
         largest_gpu = std::max(largest_gpu, w.info.free_memory());
       } else {
         any_cpu = true;
@@ -383,9 +379,9 @@ std::vector<std::string> Coordinator::FitWorkers(const JobEntry& e, const std::v
     int best = -1;
     for (size_t k = 0; k < free.size(); ++k) {
       const WorkerInfo& w = workers_.at(free[k]).info;
-      if (IsGpu(w)) {
+      if (IsGpuDevice(w.device())) {
         if (w.free_memory() < need[g]) continue;
-        if (best < 0 || !IsGpu(workers_.at(free[best]).info) ||
+        if (best < 0 || !IsGpuDevice(workers_.at(free[best]).info.device()) ||
             w.free_memory() < workers_.at(free[best]).info.free_memory()) {
           best = static_cast<int>(k);
         }

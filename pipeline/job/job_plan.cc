@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/device.h"
 #include "pipeline/job/job_spec.h"
 #include "pipeline/schedule/simulator.h"
 
@@ -151,7 +152,6 @@ std::vector<EdgeTransport> EdgeTransportsFor(const PipelinePlan& plan, const std
                                              const std::vector<RankPlace>& ranks) {
   std::vector<EdgeTransport> edges;
   std::set<std::pair<int, int>> seen;
-  auto is_gpu = [](const std::string& device) { return device.rfind("cuda", 0) == 0; };
   for (const StagePlan& sp : plan.stages()) {
     for (const StageOutput& out : sp.outputs()) {
       for (int c : out.consumers()) {
@@ -161,9 +161,9 @@ std::vector<EdgeTransport> EdgeTransportsFor(const PipelinePlan& plan, const std
         const RankPlace& a = ranks[static_cast<size_t>(from)];
         const RankPlace& b = ranks[static_cast<size_t>(to)];
         EdgeTransport e{sp.index(), c, from, to, "ucx"};
-        if (is_gpu(a.device) && is_gpu(b.device)) {
+        if (IsGpuDevice(a.device) && IsGpuDevice(b.device)) {
           e.transport = a.host == b.host && a.device == b.device ? "ucx+staging" : "nccl";
-        } else if (is_gpu(a.device) || is_gpu(b.device)) {
+        } else if (IsGpuDevice(a.device) || IsGpuDevice(b.device)) {
           e.transport = "ucx+staging";
         }
         edges.push_back(e);

@@ -18,16 +18,6 @@ TMP="${TEST_TMPDIR:-$(mktemp -d)}/ft"
 rm -rf "$TMP" && mkdir -p "$TMP"
 source "$PWD/tests/e2e/testlib.sh"
 
-start_coordinator() {  # PORT (0: any)
-  rm -f "$TMP/port"
-  "$COORD" --bind 127.0.0.1 --port "$1" --port-file "$TMP/port" --state-dir "$TMP/state" --heartbeat-timeout-s 3 \
-    >> "$TMP/coordinator.log" 2>&1 &
-  coord_pid=$!
-  pids+=($coord_pid)
-  for _ in $(seq 100); do [ -s "$TMP/port" ] && break; sleep 0.1; done
-  PORT=$(cat "$TMP/port")
-  ADDR="127.0.0.1:$PORT"
-}
 start_coordinator 0
 ctl() { "$PIPPYCTL" --coordinator "$ADDR" "$@"; }
 declare -A worker_pid

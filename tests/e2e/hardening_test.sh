@@ -63,23 +63,23 @@ if [ "$rc" = 2 ] && [ "$code" = INVALID_ARGUMENT ] && grep -q "LibTorch crashed 
 else
   bad "crashing archive: exit $rc, code $code ($(cat "$TMP/segv.out")); coordinator alive: $(alive && echo yes || echo no)"
 fi
+# A hostile model archive (with the zoo's data): ok when pippyctl exits 2 with PATTERN
+# in its message and the coordinator still answers.
+model_refused() {  # WHAT ARCHIVE PATTERN
+  local out="$TMP/refused.$RANDOM.out" rc
+  ctl submit "$2" --data "$ZOO/mlp.data.pt" "${SPEC[@]}" > "$out" 2>&1
+  rc=$?
+  if [ "$rc" = 2 ] && grep -q "$3" "$out" && alive; then
+    ok "$1 is refused: $(tail -1 "$out" | cut -c1-150)"
+  else
+    bad "$1: exit $rc ($(cat "$out")); alive: $(alive && echo yes || echo no)"
+  fi
+}
 # 1b. One that made the type parser follow a bad pointer under the fuzzer (SIGSEGV
 #     there; in this build it may also end in an error): refused either way.
-ctl submit "$CORPUS/crash-segv-in-libtorch-type-parser" --data "$ZOO/mlp.data.pt" "${SPEC[@]}" > "$TMP/segv2.out" 2>&1
-rc=$?
-if [ "$rc" = 2 ] && grep -q "model: " "$TMP/segv2.out" && alive; then
-  ok "the fuzzer's type-parser crash is refused: $(tail -1 "$TMP/segv2.out" | cut -c1-150)"
-else
-  bad "type-parser crash: exit $rc ($(cat "$TMP/segv2.out")); alive: $(alive && echo yes || echo no)"
-fi
+model_refused "the fuzzer's type-parser crash" "$CORPUS/crash-segv-in-libtorch-type-parser" "model: "
 # 2. An archive with corrupt debug info behind a compile error (terminate() in what()).
-ctl submit "$CORPUS/crash-corrupt-debug-info" --data "$ZOO/mlp.data.pt" "${SPEC[@]}" > "$TMP/debug.out" 2>&1
-rc=$?
-if [ "$rc" = 2 ] && grep -q "model: " "$TMP/debug.out" && alive; then
-  ok "an archive with corrupt debug info is refused: $(tail -1 "$TMP/debug.out" | cut -c1-150)"
-else
-  bad "corrupt debug info: exit $rc ($(cat "$TMP/debug.out")); alive: $(alive && echo yes || echo no)"
-fi
+model_refused "an archive with corrupt debug info" "$CORPUS/crash-corrupt-debug-info" "model: "
 # 2b. A 600-byte data file whose pickle announces a 4 GiB string (LibTorch's unpickler
 #     makes room before it reads: the coordinator touched 4 GiB before the model check),
 #     and a 5 KB model archive doing the same.
@@ -100,13 +100,8 @@ if [ "$rc" = 2 ] && grep -q "data: .*far more memory than its size" "$TMP/evilda
 else
   bad "hostile data file: exit $rc ($(cat "$TMP/evildata.out")), coordinator peak RSS ${rss_kb:-?} kB"
 fi
-ctl submit "$CORPUS/oom-pickle-string-length" --data "$ZOO/mlp.data.pt" "${SPEC[@]}" > "$TMP/oommodel.out" 2>&1
-rc=$?
-if [ "$rc" = 2 ] && grep -q "model: .*far more memory than its size" "$TMP/oommodel.out" && alive; then
-  ok "a model archive announcing a 4 GiB string is refused: $(tail -1 "$TMP/oommodel.out" | cut -c1-120)"
-else
-  bad "hostile model pickle: exit $rc ($(cat "$TMP/oommodel.out"))"
-fi
+model_refused "a model archive announcing a 4 GiB string" "$CORPUS/oom-pickle-string-length" \
+  "model: .*far more memory than its size"
 # 2c. Tensors larger than the bytes behind them: a data file (found by fuzz/data_fuzz:
 #     reading a batch ran past the allocation) and a model whose 16 KiB weight record is
 #     cut to 8 bytes (far beyond any allocator slack, which the model check allows).

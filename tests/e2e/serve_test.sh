@@ -19,18 +19,7 @@ source "$PWD/tests/e2e/testlib.sh"
 export OPENBLAS_NUM_THREADS=1
 
 METRICS_PORT=$(free_port)
-start_coordinator() {  # PORT (0: any)
-  rm -f "$TMP/port"
-  "$COORD" --bind 127.0.0.1 --port "$1" --port-file "$TMP/port" --state-dir "$TMP/state" --heartbeat-timeout-s 3 \
-    --metrics-port "$METRICS_PORT" \
-    >> "$TMP/coordinator.log" 2>&1 &
-  coord_pid=$!
-  pids+=($coord_pid)
-  for _ in $(seq 100); do [ -s "$TMP/port" ] && break; sleep 0.1; done
-  PORT=$(cat "$TMP/port")
-  ADDR="127.0.0.1:$PORT"
-}
-start_coordinator 0
+start_coordinator 0 --metrics-port "$METRICS_PORT"
 ctl() { "$PIPPYCTL" --coordinator "$ADDR" "$@"; }
 declare -A worker_pid
 for i in 0 1 2 3; do
@@ -205,7 +194,7 @@ ctl infer "$JOB" --input "$TMP/one.pt" -o "$TMP/one.again.pt" > /dev/null 2>&1 &
 # is placed again once the workers reconnect, and answers as before.
 kill -9 "$coord_pid"
 wait "$coord_pid" 2>/dev/null
-start_coordinator "$PORT"
+start_coordinator "$PORT" --metrics-port "$METRICS_PORT"
 for _ in $(seq 300); do [ "$(json_get "$JOB" "j['state']" 2>/dev/null)" = "SERVING" ] && break; sleep 0.1; done
 if [ "$(json_get "$JOB" "j['state']")" = "SERVING" ] && ctl infer gpt-serve --input "$TMP/one.pt" -o "$TMP/one.third.pt" > /dev/null &&
    /usr/bin/python3 -c "import torch,sys; a=torch.load('$TMP/one.out.pt'); b=torch.load('$TMP/one.third.pt'); sys.exit(0 if torch.equal(a,b) else 1)"; then

@@ -159,10 +159,8 @@ class Client:
     def __exit__(self, *exc):
         self.close()
 
-    def submit(self, model_path, data_path=None, **spec):
-        """Uploads the model (and data) in chunks; returns the job id. Keyword arguments
-        are pippyctl submit's flags (stages=, schedule=, microbatches=, batch_size=, ...)."""
-        job_spec = make_spec(model_path, data_path, **spec)
+    def _submit_spec(self, job_spec, model_path, data_path):
+        """SubmitJob: the spec, then the model and the data file (if any) in chunks."""
 
         def requests():
             yield coordinator_pb2.SubmitJobRequest(spec=job_spec)
@@ -177,6 +175,12 @@ class Client:
                         yield coordinator_pb2.SubmitJobRequest(**{field: chunk})
 
         return _call(self._stub.SubmitJob, requests(), metadata=self._metadata).job_id
+
+    def submit(self, model_path, data_path=None, **spec):
+        """Uploads the model (and data) in chunks; returns the job id. Keyword arguments
+        are pippyctl submit's flags (stages=, schedule=, microbatches=, batch_size=, ...)."""
+        job_spec = make_spec(model_path, data_path, **spec)
+        return self._submit_spec(job_spec, model_path, data_path)
 
     def serve(self, model_path, example=None, *, stages=0, split_at=(), balance="params", max_batch=0,
               max_delay_ms=None, max_inflight=0, name=None, synthetic="", seed=0):
@@ -194,20 +198,7 @@ class Client:
         if example:
             spec.data.file = os.path.basename(example)
         spec.data.synthetic = synthetic
-
-        def requests():
-            yield coordinator_pb2.SubmitJobRequest(spec=spec)
-            for path, field in ((model_path, "model_chunk"), (example, "data_chunk")):
-                if not path:
-                    continue
-                with open(path, "rb") as f:
-                    while True:
-                        chunk = f.read(CHUNK)
-                        if not chunk:
-                            break
-                        yield coordinator_pb2.SubmitJobRequest(**{field: chunk})
-
-        return _call(self._stub.SubmitJob, requests(), metadata=self._metadata).job_id
+        return self._submit_spec(spec, model_path, example)
 
     def wait_serving(self, job_id, timeout_s=600.0):
         """Waits until a serving job answers requests; raises JobFailed if it ended first."""
