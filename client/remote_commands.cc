@@ -94,7 +94,8 @@ void PrintJob(const Job& j) {
   std::cout << "job " << j.job_id() << " (" << j.spec().name() << "): " << JobState_Name(j.state());
   if (!j.reason().empty()) std::cout << " — " << j.reason();
   std::cout << "\n  " << job::ModeName(j.spec().mode()) << ", schedule " << job::ScheduleName(j.spec().schedule().kind())
-            << ", " << j.plan().stages_size() << " stages on " << j.workers_size() << " workers, step " << j.step()
+            << ", " << job::PrecisionName(j.spec().precision()) << ", " << j.plan().stages_size() << " stages on "
+            << j.workers_size() << " workers, step " << j.step()
             << "/" << j.spec().steps();
   if (j.losses_size() > 0) std::cout << ", loss " << absl::StrFormat("%.4f", j.losses(j.losses_size() - 1));
   if (j.samples_per_second() > 0) {
@@ -274,8 +275,23 @@ absl::Status SetSplit(const SplitFlags& f, JobSpec* spec) {
   return absl::OkStatus();
 }
 
+// --dtype, submit's and serve's.
+void AddDtypeFlag(CLI::App* cmd, std::string* dtype) {
+  cmd->add_option("--dtype", *dtype,
+                  "fp32 | bf16: bf16 runs each stage's forward under autocast to bfloat16 with fp32 weights, "
+                  "gradients and optimizer state (PyTorch's mixed-precision recipe)")
+      ->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
+}
+
+absl::Status SetPrecision(const std::string& dtype, JobSpec* spec) {
+  auto precision = job::ParsePrecision(dtype);
+  if (!precision.ok()) return precision.status();
+  spec->set_precision(*precision);
+  return absl::OkStatus();
+}
+
 struct SubmitFlags {
-  std::string model, data, synthetic, name;
+  std::string model, data, synthetic, name, dtype = "fp32";
   SplitFlags split;
   std::string schedule, loss, optimizer;
   int microbatches = 0, batch_size = 0, steps = 1, stages_per_worker = 0;
@@ -293,6 +309,8 @@ absl::StatusOr<JobSpec> SpecFrom(const SubmitFlags& f) {
   spec.set_name(f.name.empty() ? std::filesystem::path(f.model).stem().string() : f.name);
   absl::Status split = SetSplit(f.split, &spec);
   if (!split.ok()) return split;
+  absl::Status precision = SetPrecision(f.dtype, &spec);
+  if (!precision.ok()) return precision;
   auto kind = job::ParseSchedule(f.schedule);
   if (!kind.ok()) return absl::InvalidArgumentError(absl::StrCat("schedule.kind: ", kind.status().message()));
   spec.mutable_schedule()->set_kind(*kind);
@@ -430,6 +448,7 @@ void AddSubmit(CLI::App& root, const GlobalFlags& g, int* exit_code) {
       ->required()
       ->check(cli::Positive());
   cmd->add_option("--steps", f->steps, "optimizer steps (inference: batches)")->check(cli::Positive())->capture_default_str();
+  AddDtypeFlag(cmd, &f->dtype);
   cmd->add_option("--loss", f->loss, "mse | cross_entropy | model (the model's loss(self, output, target))")
       ->check(CLI::IsMember({"mse", "cross_entropy", "model"}));
   cmd->add_option("--optimizer", f->optimizer, "sgd | adam | adamw (torch.optim's semantics and defaults)")
@@ -466,7 +485,7 @@ void AddSubmit(CLI::App& root, const GlobalFlags& g, int* exit_code) {
 // ---- serve, infer -----------------------------------------------------------------
 
 struct ServeFlags {
-  std::string model, data, synthetic, name;
+  std::string model, data, synthetic, name, dtype = "fp32";
   SplitFlags split;
   int max_batch = 0, max_inflight = 0;
   std::optional<int> max_delay_ms;
@@ -480,6 +499,8 @@ int RunServe(const ServeFlags& f, const GlobalFlags& g) {
   spec.set_name(f.name.empty() ? std::filesystem::path(f.model).stem().string() : f.name);
   absl::Status split = SetSplit(f.split, &spec);
   if (!split.ok()) return Fail(kProgram, split);
+  absl::Status precision = SetPrecision(f.dtype, &spec);
+  if (!precision.ok()) return Fail(kProgram, precision);
   ServingSpec* sv = spec.mutable_serving();
   sv->set_max_batch(f.max_batch);
   if (f.max_delay_ms) sv->set_max_delay_ms(*f.max_delay_ms);
@@ -543,6 +564,7 @@ void AddServe(CLI::App& root, const GlobalFlags& g, int* exit_code) {
                                     "or an example made by the coordinator: \"inputs=float32[8,1024]\"");
   data->excludes(synthetic);
   AddSplitFlags(cmd, &f->split);
+  AddDtypeFlag(cmd, &f->dtype);
   cmd->add_option("--max-batch", f->max_batch, "rows per micro-batch (default 32)")->check(cli::Positive());
   cmd->add_option("--max-delay-ms", f->max_delay_ms,
                   "how long the oldest waiting request may wait for others to share its micro-batch (default 5; "
@@ -631,7 +653,8 @@ int RunWorkers(const GlobalFlags& g) {
            "received"});
   for (const WorkerInfo& w : r.workers()) {
     const bool busy = !w.job_id().empty();
-    t.AddRow({w.worker_id(), w.name(), w.host(), w.device(), absl::StrCat(w.threads()),
+    const std::string device = w.device_name().empty() ? w.device() : absl::StrCat(w.device(), " (", w.device_name(), ")");
+    t.AddRow({w.worker_id(), w.name(), w.host(), device, absl::StrCat(w.threads()),
               HumanBytes(static_cast<double>(w.free_memory())),
               absl::AsciiStrToLower(WorkerState_Name(w.state())), busy ? w.job_id() : "-",
               busy ? (w.replica() > 0 ? absl::StrCat(w.rank(), " (replica ", w.replica(), ")") : absl::StrCat(w.rank()))

@@ -614,6 +614,7 @@ std::string Coordinator::AddWorker(const RegisterWorker& reg, std::shared_ptr<Wo
     w.info.set_host(reg.host());
     w.info.set_device(reg.device());
     w.info.set_free_memory(reg.free_memory());
+    w.info.set_device_name(reg.device_name());
     w.info.set_version(reg.version());
     w.info.set_threads(reg.threads());
     w.info.set_state(IDLE);

@@ -8,7 +8,7 @@
 //              --microbatches M --batch-size B --steps S --data FILE --out DIR
 //              [--stages-per-rank V] [--loss L] [--optimizer O] [--lr X] [--momentum X]
 //              [--weight-decay X] [--clip-grad-norm X] [--seed N] [--tls sm,self]
-//              [--timeout-s T]
+//              [--timeout-s T] [--dtype fp32|bf16] [--device cpu|cuda:N|auto]
 //
 // --data is what `pippyctl submit --data` takes: torch.save({"inputs": ..., "targets": ...}).
 // Writes DIR/stage_<s>.pt for the stages it held (trained) and prints one line per
@@ -24,6 +24,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "common/cli.h"
+#include "common/device.h"
 #include "common/log.h"
 #include "common/memory.h"
 #include "common/status.h"
@@ -33,7 +34,9 @@
 #include "pipeline/job/rank_job.h"
 #include "pipeline/partition/model_io.h"
 #include "pipeline/stage/data_source.h"
+#include "pipeline/transport/staging/staging_transport.h"
 #include "pipeline/transport/ucx/ucx_transport.h"
+#include "torch/cuda.h"
 #include "torch/csrc/jit/runtime/graph_executor.h"
 
 namespace pippy {
@@ -92,6 +95,7 @@ struct Flags {
   std::optional<double> weight_decay;
   uint64_t seed = 0;
   std::string rendezvous, stages_dir, schedule, data, out, loss = "mse", optimizer = "sgd", tls = "sm,self";
+  std::string dtype = "fp32", device = "cpu";
 };
 
 absl::Status Run(const Flags& f) {
@@ -112,6 +116,14 @@ absl::Status Run(const Flags& f) {
   spec.mutable_optimizer()->set_momentum(f.momentum);
   if (f.weight_decay) spec.mutable_optimizer()->set_weight_decay(*f.weight_decay);
   spec.mutable_optimizer()->set_clip_grad_norm(f.clip);
+  PIPPY_ASSIGN_OR_RETURN(Precision precision, job::ParsePrecision(f.dtype));
+  spec.set_precision(precision);
+  PIPPY_ASSIGN_OR_RETURN(Device dev, ParseDevice(f.device));
+  const bool has_cuda = at::hasCUDA();
+  const int gpus = has_cuda ? static_cast<int>(torch::cuda::device_count()) : 0;
+  dev = ResolveDevice(dev, gpus, std::getenv("LOCAL_RANK"));
+  PIPPY_RETURN_IF_ERROR(CheckDevice(dev, has_cuda, gpus));
+  const c10::Device device(dev.ToString());
   spec.set_steps(f.steps);
   spec.set_batch_size(f.batch_size);
   spec.set_seed(f.seed);
@@ -142,8 +154,9 @@ absl::Status Run(const Flags& f) {
   PIPPY_ASSIGN_OR_RETURN(auto addresses,
                          Rendezvous(f.rendezvous, f.rank, f.world, ucx->address(), absl::Seconds(f.timeout_s)));
   PIPPY_RETURN_IF_ERROR(ucx->Connect(addresses));
-  PIPPY_ASSIGN_OR_RETURN(auto rank_job, job::RankJob::Create(spec, plan, f.rank, std::move(mine), ucx.get(),
-                                                             absl::Seconds(f.timeout_s)));
+  transport::staging::StagingTransport staged(ucx.get(), device);  // a GPU rank's tensors cross through host memory
+  PIPPY_ASSIGN_OR_RETURN(auto rank_job, job::RankJob::Create(spec, plan, f.rank, std::move(mine), &staged,
+                                                             absl::Seconds(f.timeout_s), nullptr, device));
   KeepFreedMemory();  // the stages are loaded: from here on, buffers are reused step after step
   for (int step = 0; step < f.steps; ++step) {
     absl::StatusOr<stage::StepResult> res = rank_job->RunStep(step, data);
@@ -190,6 +203,9 @@ int main(int argc, char** argv) {
   app.add_option("--clip-grad-norm", f.clip, "global gradient-norm clipping; 0: none")->check(cli::NonNegative())->capture_default_str();
   app.add_option("--seed", f.seed, "seeds this rank's random number generator (seed + rank)")->capture_default_str();
   app.add_option("--tls", f.tls, "UCX transports, e.g. sm,self or tcp,self")->capture_default_str();
+  app.add_option("--dtype", f.dtype, "fp32 | bf16 (autocast to bfloat16, fp32 weights and optimizer state)")
+      ->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
+  app.add_option("--device", f.device, "cpu | cuda:N | auto: where the stages run")->capture_default_str();
   app.add_option("--timeout-s", f.timeout_s, "deadline of the rendezvous and of every wait in a step")
       ->check(cli::Positive())->capture_default_str();
   if (auto code = cli::Parse(app, argc, argv)) return *code;

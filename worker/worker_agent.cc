@@ -18,6 +18,8 @@
 #include "ATen/Context.h"
 #include "common/chunker.h"
 #include "common/device.h"
+#include "pipeline/transport/nccl/nccl_transport.h"
+#include "pipeline/transport/staging/staging_transport.h"
 #include "common/log.h"
 #include "common/memory.h"
 #include "common/metrics.h"
@@ -189,6 +191,18 @@ class Agent {
     r->set_version(kVersion);
     r->set_threads(options_.threads);
     r->set_free_memory(static_cast<int64_t>(sysconf(_SC_AVPHYS_PAGES)) * sysconf(_SC_PAGESIZE));
+    const c10::Device device(options_.device);
+    if (device.is_cuda()) {
+      // A GPU worker: placement counts the device's memory, as free now.
+      absl::StatusOr<transport::nccl::DeviceInfo> info = transport::nccl::GetDeviceInfo(device.index());
+      if (info.ok()) {
+        r->set_free_memory(info->free_bytes);
+        r->set_device_name(info->name);
+      } else {
+        log::Warn("{}: {}; registering without its free memory", options_.device, info.status().message());
+        r->set_free_memory(0);
+      }
+    }
     r->set_worker_id(worker_id_);
     {
       absl::MutexLock lock(&mu_);
@@ -585,6 +599,11 @@ class Agent {
     const JobSpec& spec = a.spec();
     log::Info("job={} rank={} of {}: received {} bytes; loading stage(s)", a.job_id(), a.rank(), a.world_size(),
               in.bytes_received);
+    if (std::max(1, spec.replicas()) > 1 && options_.device != "cpu") {
+      return absl::UnimplementedError(absl::StrCat("data parallelism (replicas ", spec.replicas(), ") runs on CPU "
+                                                   "workers only (the replicas' all-reduce is gloo over TCP); this "
+                                                   "worker's device is ", options_.device));
+    }
     at::set_num_threads(options_.threads);
     torch::jit::setGraphExecutorOptimize(false);
     job::SeedProcessForRank(spec, a.rank(), a.replica(), a.world_size());
@@ -642,8 +661,11 @@ class Agent {
     }
     PIPPY_RETURN_IF_ERROR(ucx->Connect(peers));
     if (group != nullptr) PIPPY_RETURN_IF_ERROR(group->Connect(replica_peers));
-    PIPPY_ASSIGN_OR_RETURN(auto rank_job, job::RankJob::Create(spec, a.plan(), a.rank(), std::move(stages),
-                                                               ucx.get(), options_.wait_timeout, group.get()));
+    // A GPU rank's tensors cross to other ranks through host memory (ucx+staging).
+    const c10::Device device(options_.device);
+    transport::staging::StagingTransport staged(ucx.get(), device);
+    PIPPY_ASSIGN_OR_RETURN(auto rank_job, job::RankJob::Create(spec, a.plan(), a.rank(), std::move(stages), &staged,
+                                                               options_.wait_timeout, group.get(), device));
     {
       absl::MutexLock lock(&mu_);
       if (cancelled_) return absl::CancelledError("cancelled");
@@ -767,15 +789,16 @@ absl::Status RunAgent(const AgentOptions& options) {
   const int gpus = has_cuda ? static_cast<int>(torch::cuda::device_count()) : 0;
   device = ResolveDevice(device, gpus, std::getenv("LOCAL_RANK"));
   PIPPY_RETURN_IF_ERROR(CheckDevice(device, has_cuda, gpus));
-  if (device.kind == Device::Kind::kCuda) {
-    // This LibTorch could, but the worker does not yet place stages on GPUs: refuse
-    // rather than run on the CPU under a GPU's name.
-    return absl::UnimplementedError(absl::StrCat("--device ", device.ToString(),
-                                                 ": this version runs stages on CPUs only; use --device cpu"));
-  }
   AgentOptions o = options;
   o.device = device.ToString();
-  log::Info("device {}{}", o.device, options.device == "auto" ? " (auto: this LibTorch sees no GPU)" : "");
+  if (device.kind == Device::Kind::kCuda) {
+    // The stages run there: this build must reach the device (CUDA runtime, NCCL).
+    PIPPY_ASSIGN_OR_RETURN(transport::nccl::DeviceInfo info, transport::nccl::GetDeviceInfo(device.index));
+    log::Info("device {} ({}, {} MiB free of {} MiB)", o.device, info.name, info.free_bytes >> 20,
+              info.total_bytes >> 20);
+  } else {
+    log::Info("device {}{}", o.device, options.device == "auto" ? " (auto: this LibTorch sees no GPU)" : "");
+  }
   Agent agent(o);
   return agent.Run();
 }

@@ -149,7 +149,7 @@ int64_t RankMemoryBytes(const JobSpec& spec, const PipelinePlan& plan, const std
 }
 
 std::vector<EdgeTransport> EdgeTransportsFor(const PipelinePlan& plan, const std::vector<int>& stage_to_rank,
-                                             const std::vector<RankPlace>& ranks) {
+                                             const std::vector<RankPlace>& ranks, bool use_nccl) {
   std::vector<EdgeTransport> edges;
   std::set<std::pair<int, int>> seen;
   for (const StagePlan& sp : plan.stages()) {
@@ -162,7 +162,7 @@ std::vector<EdgeTransport> EdgeTransportsFor(const PipelinePlan& plan, const std
         const RankPlace& b = ranks[static_cast<size_t>(to)];
         EdgeTransport e{sp.index(), c, from, to, "ucx"};
         if (IsGpuDevice(a.device) && IsGpuDevice(b.device)) {
-          e.transport = a.host == b.host && a.device == b.device ? "ucx+staging" : "nccl";
+          e.transport = use_nccl && !(a.host == b.host && a.device == b.device) ? "nccl" : "ucx+staging";
         } else if (IsGpuDevice(a.device) || IsGpuDevice(b.device)) {
           e.transport = "ucx+staging";
         }

@@ -64,7 +64,7 @@ struct RankPlace {
 // How activations and gradients cross one edge of the stage graph between two ranks:
 //   "ucx"          both ranks on CPUs;
 //   "nccl"         both on GPUs, and not the same one (another host, or another
-//                  ordinal on the same host);
+//                  ordinal on the same host), where NCCL is used (`use_nccl`);
 //   "ucx+staging"  a GPU and a CPU rank, or two workers sharing one GPU (NCCL needs a
 //                  device per rank): CUDA tensors staged through pinned host buffers
 //                  and sent over UCX.
@@ -77,8 +77,14 @@ struct EdgeTransport {
 // Every edge (producer stage -> consumer stage) whose stages are on different ranks,
 // in stage order, with its transport, for the placement `ranks` (by rank).
 // REQUIRES: CheckPlan passed; stage_to_rank and ranks cover the plan's ranks.
+// Whether the workers run NCCL between a job's GPU ranks. Not yet: the NCCL backend
+// (transport/nccl) is built and tested on its own, but workers do not build a job's
+// communicator, so every GPU edge is "ucx+staging" for now.
+inline constexpr bool kJobsUseNccl = false;
+
+// `use_nccl` false: edges between different GPUs stage over UCX too.
 std::vector<EdgeTransport> EdgeTransportsFor(const PipelinePlan& plan, const std::vector<int>& stage_to_rank,
-                                             const std::vector<RankPlace>& ranks);
+                                             const std::vector<RankPlace>& ranks, bool use_nccl = kJobsUseNccl);
 
 }  // namespace pippy::job
 

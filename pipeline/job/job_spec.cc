@@ -24,6 +24,10 @@ const NameTable<OptimizerKind>& Optimizers() {
       {OPTIMIZER_SGD, "sgd"}, {OPTIMIZER_ADAM, "adam"}, {OPTIMIZER_ADAMW, "adamw"}};
   return *t;
 }
+const NameTable<Precision>& Precisions() {
+  static const auto* t = new NameTable<Precision>{{PRECISION_FP32, "fp32"}, {PRECISION_BF16, "bf16"}};
+  return *t;
+}
 const NameTable<Balance>& Balances() {
   static const auto* t =
       new NameTable<Balance>{{BALANCE_PARAMS, "params"}, {BALANCE_FLOPS, "flops"}, {BALANCE_TIME, "time"}};
@@ -96,6 +100,12 @@ absl::StatusOr<OptimizerKind> ParseOptimizer(absl::string_view name) {
   return Lookup(Optimizers(), name, "optimizer");
 }
 std::string OptimizerName(OptimizerKind optimizer) { return NameOf(Optimizers(), optimizer); }
+absl::StatusOr<Precision> ParsePrecision(absl::string_view name) {
+  return Lookup(Precisions(), name, "--dtype");
+}
+std::string PrecisionName(Precision precision) {
+  return NameOf(Precisions(), precision == PRECISION_UNSPECIFIED ? PRECISION_FP32 : precision);
+}
 absl::StatusOr<Balance> ParseBalance(absl::string_view name) { return Lookup(Balances(), name, "--balance"); }
 std::string BalanceName(Balance balance) {
   return NameOf(Balances(), balance == BALANCE_UNSPECIFIED ? BALANCE_PARAMS : balance);
@@ -180,6 +190,8 @@ absl::Status CheckSpec(JobSpec* spec) {
   if (sched->stages_per_worker() == 0) {
     sched->set_stages_per_worker(schedule::DefaultStagesPerRank(EngineSchedule(sched->kind())));
   }
+  if (!Precision_IsValid(spec->precision())) return Bad("precision", "use fp32 or bf16");
+  if (spec->precision() == PRECISION_UNSPECIFIED) spec->set_precision(PRECISION_FP32);
   if (spec->steps() < 1 && !spec->has_serving()) return Bad("steps", "must be at least 1");
   if (spec->batch_size() < 1) return Bad("batch_size", "must be at least 1");
   if (spec->replicas() < 0) return Bad("replicas", "must not be negative");

@@ -30,6 +30,10 @@ std::string LossName(LossKind loss);
 absl::StatusOr<OptimizerKind> ParseOptimizer(absl::string_view name);
 std::string OptimizerName(OptimizerKind optimizer);
 
+// "fp32" | "bf16" (pippyctl's --dtype; see Precision in job.proto).
+absl::StatusOr<Precision> ParsePrecision(absl::string_view name);
+std::string PrecisionName(Precision precision);  // "fp32" for UNSPECIFIED
+
 // "params" | "flops" | "time".
 absl::StatusOr<Balance> ParseBalance(absl::string_view name);
 std::string BalanceName(Balance balance);

@@ -47,6 +47,20 @@ TEST(JobSpecNames, LossOptimizerBalance_RoundTrip_AndUnknownNamesListChoices) {
   EXPECT_THAT(std::string(ParseLoss("l1").status().message()), HasSubstr("use mse, cross_entropy, model"));
 }
 
+TEST(JobSpecNames, Precision_RoundTrip_DefaultsToFp32_AndRefusesOthers) {
+  EXPECT_EQ(*ParsePrecision("bf16"), PRECISION_BF16);
+  EXPECT_EQ(PrecisionName(*ParsePrecision("fp32")), "fp32");
+  EXPECT_EQ(PrecisionName(PRECISION_UNSPECIFIED), "fp32");
+  auto bad = ParsePrecision("fp16");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.status().message()), testing::HasSubstr("--dtype 'fp16': use fp32, bf16"));
+  JobSpec spec = TrainSpec();
+  ASSERT_TRUE(CheckSpec(&spec).ok());
+  EXPECT_EQ(spec.precision(), PRECISION_FP32);
+  spec.set_precision(static_cast<Precision>(7));
+  EXPECT_THAT(std::string(CheckSpec(&spec).message()), testing::HasSubstr("precision: use fp32 or bf16"));
+}
+
 TEST(CheckSpec, AdamW_WithoutWeightDecay_GetsTorchDefault) {
   JobSpec spec = TrainSpec();
   ASSERT_TRUE(CheckSpec(&spec).ok());
@@ -246,8 +260,14 @@ TEST(EdgeTransportsFor, ChoosesPerPairOfRanks) {
             (V{"0->1 ucx", "0->2 ucx", "1->2 ucx", "2->3 ucx"}));
   // GPUs: NCCL between different GPUs (same host or not); two workers sharing a GPU,
   // and a GPU rank next to a CPU rank, stage through host memory over UCX.
-  EXPECT_EQ(kinds({{"a", "cuda:0"}, {"a", "cuda:1"}, {"b", "cuda:0"}, {"b", "cuda:0"}}),
-            (V{"0->1 nccl", "0->2 nccl", "1->2 nccl", "2->3 ucx+staging"}));
+  const std::vector<RankPlace> gpus = {{"a", "cuda:0"}, {"a", "cuda:1"}, {"b", "cuda:0"}, {"b", "cuda:0"}};
+  EXPECT_EQ(kinds(gpus), (V{"0->1 ucx+staging", "0->2 ucx+staging", "1->2 ucx+staging", "2->3 ucx+staging"}))
+      << "workers do not run NCCL in jobs yet (kJobsUseNccl)";
+  std::vector<std::string> with_nccl;
+  for (const EdgeTransport& e : EdgeTransportsFor(plan, stage_to_rank, gpus, /*use_nccl=*/true)) {
+    with_nccl.push_back(absl::StrCat(e.from_stage, "->", e.to_stage, " ", e.transport));
+  }
+  EXPECT_EQ(with_nccl, (V{"0->1 nccl", "0->2 nccl", "1->2 nccl", "2->3 ucx+staging"}));
   EXPECT_EQ(kinds({{"a", "cuda:0"}, {"a", "cpu"}, {"a", "cuda:0"}, {"b", "cpu"}}),
             (V{"0->1 ucx+staging", "0->2 ucx+staging", "1->2 ucx+staging", "2->3 ucx+staging"}));
   // Stages on the same rank are no edge.

@@ -25,6 +25,7 @@ stage::RuntimeOptions RuntimeOptionsFor(const JobSpec& spec, absl::Duration time
   if (o.has_eps()) ro.optimizer.eps = o.eps();
   ro.clip_grad_norm = o.clip_grad_norm();
   ro.timeout = timeout;
+  if (spec.precision() == PRECISION_BF16) ro.autocast = at::kBFloat16;
   return ro;
 }
 
@@ -36,7 +37,7 @@ void SeedProcessForRank(const JobSpec& spec, int rank, int replica, int ranks_pe
 absl::StatusOr<std::unique_ptr<RankJob>> RankJob::Create(const JobSpec& spec, const PipelinePlan& plan, int rank,
                                                          std::map<int, torch::jit::Module> stages,
                                                          transport::Transport* transport, absl::Duration timeout,
-                                                         transport::ReplicaGroup* replicas) {
+                                                         transport::ReplicaGroup* replicas, c10::Device device) {
   const int want = std::max(1, spec.replicas());
   const int have = replicas != nullptr ? replicas->size() : 1;
   if (want != have) {
@@ -51,6 +52,9 @@ absl::StatusOr<std::unique_ptr<RankJob>> RankJob::Create(const JobSpec& spec, co
   PIPPY_ASSIGN_OR_RETURN(job->schedule_, ScheduleFor(spec, plan));
   stage::RuntimeOptions ro = RuntimeOptionsFor(spec, timeout);
   ro.replicas = replicas;
+  ro.device = device;
+  job->device_ = device;
+  if (device.is_cuda() && spec.precision() != PRECISION_BF16) stage::UseExactFloat32();
   PIPPY_ASSIGN_OR_RETURN(job->runtime_, stage::RankRuntime::Create(rank, plan, std::move(stages), job->schedule_,
                                                                    transport, ro));
   return job;
@@ -91,7 +95,7 @@ absl::StatusOr<std::string> RankJob::SaveState() {
 absl::Status RankJob::RestoreState(absl::string_view bytes) {
   return TorchCall("restoring the rank's training state", [&]() -> absl::Status {
     torch::serialize::InputArchive archive;
-    archive.load_from(bytes.data(), bytes.size());
+    archive.load_from(bytes.data(), bytes.size(), device_);
     at::Tensor rank;
     archive.read("pippy_rank", rank);
     if (rank.item<int64_t>() != rank_) {

@@ -41,10 +41,14 @@ class RankJob {
   // replicas (its index is the replica), which must outlive the RankJob; the rank then
   // trains on its replica's slice of every batch. Errors: also INVALID_ARGUMENT when
   // the group does not match spec.replicas.
+  // `device`: where the stages, activations, gradients and optimizer state live (see
+  // RuntimeOptions::device; a GPU rank's transport must deliver there). An fp32 job on
+  // a GPU turns TF32 off for the process, so that it computes what PyTorch's fp32 does.
   static absl::StatusOr<std::unique_ptr<RankJob>> Create(const JobSpec& spec, const PipelinePlan& plan, int rank,
                                                          std::map<int, torch::jit::Module> stages,
                                                          transport::Transport* transport, absl::Duration timeout,
-                                                         transport::ReplicaGroup* replicas = nullptr);
+                                                         transport::ReplicaGroup* replicas = nullptr,
+                                                         c10::Device device = c10::Device(c10::kCPU));
 
   // Step `step` of the job on its batch from `data`: a training step, or forward only
   // for an inference job (the last stage's rank returns the merged output).
@@ -82,6 +86,7 @@ class RankJob {
   JobSpec spec_;
   int rank_ = 0;
   int replica_ = 0;
+  c10::Device device_ = c10::Device(c10::kCPU);
   schedule::Schedule schedule_;
   std::unique_ptr<stage::RankRuntime> runtime_;
 };

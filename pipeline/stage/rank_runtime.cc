@@ -14,6 +14,7 @@
 #include "common/status.h"
 #include "common/torch_status.h"
 #include "pipeline/schedule/simulator.h"
+#include "pipeline/transport/staging/staging_transport.h"
 #include "torch/csrc/autograd/autograd.h"
 #include "torch/csrc/autograd/function_hook.h"
 #include "torch/csrc/autograd/variable.h"
@@ -184,6 +185,13 @@ absl::StatusOr<std::unique_ptr<RankRuntime>> RankRuntime::Create(int rank, const
   rt->rank_ = rank;
   rt->plan_ = plan;
   rt->stages_ = std::move(stages);
+  if (!options.device.is_cpu()) {
+    for (auto& [s, module] : rt->stages_) {
+      PIPPY_RETURN_IF_ERROR(TorchCall(absl::StrCat("moving stage ", s, " to ", options.device.str()), [&] {
+        module.to(options.device);
+      }, absl::StatusCode::kResourceExhausted));
+    }
+  }
   rt->schedule_ = schedule;
   rt->transport_ = transport;
   rt->options_ = options;
@@ -418,6 +426,14 @@ absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10:
     PIPPY_ASSIGN_OR_RETURN(auto t, SplitIntoMicrobatches({target}, st.m, {}, {"target"}));
     for (auto& mb : t) st.mb_targets.push_back(mb[0]);
   }
+  if (!options_.device.is_cpu()) {
+    PIPPY_RETURN_IF_ERROR(TorchCall(absl::StrCat("copying step ", step, "'s batch to ", options_.device.str()), [&] {
+      for (auto& mb : st.mb_inputs) {
+        for (c10::IValue& v : mb) v = transport::staging::ToDevice(v, options_.device);
+      }
+      for (c10::IValue& v : st.mb_targets) v = transport::staging::ToDevice(v, options_.device);
+    }));
+  }
   st.final_outputs.resize(st.m);
   const auto& actions = schedule_.ranks[rank_];
   // Data parallelism: each bucket of gradients is averaged across the replicas on the
@@ -532,6 +548,11 @@ absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10:
     }
   } else if (holds_last) {
     PIPPY_ASSIGN_OR_RETURN(result.output, MergeMicrobatches(st.final_outputs));
+    if (!options_.device.is_cpu()) {
+      PIPPY_RETURN_IF_ERROR(TorchCall("copying the output to the host", [&] {
+        result.output = transport::staging::ToDevice(result.output, c10::Device(c10::kCPU));
+      }));
+    }
   }
   result.busy_seconds = st.busy;
   result.peak_live_activations = st.peak;
@@ -610,6 +631,7 @@ absl::Status RankRuntime::Forward(StepState& st, int s, int mb) {
   if (inbox_it != st.fwd_inbox.end()) st.fwd_inbox.erase(inbox_it);
   torch::jit::Module module = stages_.at(s);
   PIPPY_ASSIGN_OR_RETURN(c10::IValue out, TorchCall(absl::StrCat("stage ", s, " forward of micro-batch ", mb), [&] {
+    AutocastScope autocast(options_.device.type(), options_.autocast);
     if (st.training) return module.forward(args);
     torch::NoGradGuard no_grad;
     return module.forward(args);
@@ -617,6 +639,9 @@ absl::Status RankRuntime::Forward(StepState& st, int s, int mb) {
   StepState::Saved saved;
   if (sp.is_last()) {
     if (st.training) {
+      // Mixed precision: the loss in fp32, on the output cast to fp32 (its backward
+      // hands the reduced-precision gradient back to the forward).
+      if (options_.autocast != c10::ScalarType::Undefined) out = ToFloat32(out);
       PIPPY_ASSIGN_OR_RETURN(saved.loss, ComputeLoss(options_.loss, module, out, st.mb_targets[mb]));
       st.loss_sum += saved.loss.item<double>();
     } else {

@@ -60,6 +60,14 @@ struct RuntimeOptions {
   // sync. nullptr or size 1: no data parallelism. Must outlive the runtime.
   transport::ReplicaGroup* replicas = nullptr;
   size_t replica_bucket_bytes = 25 << 20;
+  // Where the stages' parameters, activations, gradients and optimizer state live: the
+  // runtime moves the stage modules there before the optimizer is made, and each step's
+  // inputs and targets; received values must arrive there (a GPU rank's transport is
+  // NCCL or transport/staging). Inference outputs are handed back on the CPU.
+  c10::Device device = c10::Device(c10::kCPU);
+  // Mixed precision: each stage's forward runs under autocast to this dtype (bf16) on
+  // the device's type (stage::AutocastScope); the loss is computed in fp32. Undefined: off.
+  c10::ScalarType autocast = c10::ScalarType::Undefined;
 };
 
 // One timed piece of a step, for the trace: an action of the schedule ("1F3",

@@ -192,6 +192,29 @@ class PipelineTrainingTest : public ::testing::TestWithParam<Case> {
 
 double g_worst_micro = 0, g_worst_full = 0;
 
+TEST(AutocastScope, CastsMatrixProductsInside_RestoresOutside_NestsAndIgnoresUndefined) {
+  const at::Tensor a = torch::randn({4, 4});
+  EXPECT_EQ(at::mm(a, a).scalar_type(), at::kFloat);
+  {
+    AutocastScope outer(c10::DeviceType::CPU, at::kBFloat16);
+    EXPECT_EQ(at::mm(a, a).scalar_type(), at::kBFloat16);
+    {
+      AutocastScope off(c10::DeviceType::CPU, c10::ScalarType::Undefined);  // does nothing
+      EXPECT_EQ(at::mm(a, a).scalar_type(), at::kBFloat16);
+    }
+    {
+      AutocastScope inner(c10::DeviceType::CPU, at::kBFloat16);
+      EXPECT_EQ(at::mm(a, a).scalar_type(), at::kBFloat16);
+    }
+    EXPECT_EQ(at::mm(a, a).scalar_type(), at::kBFloat16) << "an inner scope's end must not end the outer one";
+  }
+  EXPECT_EQ(at::mm(a, a).scalar_type(), at::kFloat);
+  const c10::IValue mixed = c10::ivalue::Tuple::create({a.to(at::kBFloat16), a.to(at::kLong), c10::IValue(2.0)});
+  const c10::IValue f32 = ToFloat32(mixed);
+  EXPECT_EQ(f32.toTupleRef().elements()[0].toTensor().scalar_type(), at::kFloat);
+  EXPECT_EQ(f32.toTupleRef().elements()[1].toTensor().scalar_type(), at::kLong);
+}
+
 TEST_P(PipelineTrainingTest, ThreeSteps_MatchUnsplitTraining) {
   const Case& c = GetParam();
   auto model = partition::LoadModel(Zoo(c.model.name + ".pt"));

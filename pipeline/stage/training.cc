@@ -2,7 +2,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/torch_status.h"
+#include "ATen/autocast_mode.h"
 #include "torch/nn/functional/loss.h"
+#include "torch/version.h"
 
 namespace pippy::stage {
 
@@ -66,6 +68,92 @@ absl::StatusOr<std::unique_ptr<torch::optim::Optimizer>> MakeOptimizer(const Opt
         torch::optim::AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay)));
   }
   return absl::InvalidArgumentError("no optimizer given: use sgd, adam or adamw");
+}
+
+// LibTorch 2.4 named autocast's switches by device type; earlier ones had one pair of
+// functions per device.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+#define PIPPY_AUTOCAST_BY_DEVICE_TYPE 1
+#endif
+
+namespace {
+
+bool AutocastEnabled(c10::DeviceType device) {
+#ifdef PIPPY_AUTOCAST_BY_DEVICE_TYPE
+  return at::autocast::is_autocast_enabled(device);
+#else
+  return device == c10::DeviceType::CUDA ? at::autocast::is_enabled() : at::autocast::is_cpu_enabled();
+#endif
+}
+
+c10::ScalarType AutocastDtype(c10::DeviceType device) {
+#ifdef PIPPY_AUTOCAST_BY_DEVICE_TYPE
+  return at::autocast::get_autocast_dtype(device);
+#else
+  return device == c10::DeviceType::CUDA ? at::autocast::get_autocast_gpu_dtype()
+                                         : at::autocast::get_autocast_cpu_dtype();
+#endif
+}
+
+void SetAutocast(c10::DeviceType device, bool enabled, c10::ScalarType dtype) {
+#ifdef PIPPY_AUTOCAST_BY_DEVICE_TYPE
+  at::autocast::set_autocast_enabled(device, enabled);
+  at::autocast::set_autocast_dtype(device, dtype);
+#else
+  if (device == c10::DeviceType::CUDA) {
+    at::autocast::set_enabled(enabled);
+    at::autocast::set_autocast_gpu_dtype(dtype);
+  } else {
+    at::autocast::set_cpu_enabled(enabled);
+    at::autocast::set_autocast_cpu_dtype(dtype);
+  }
+#endif
+}
+
+}  // namespace
+
+AutocastScope::AutocastScope(c10::DeviceType device, c10::ScalarType dtype) {
+  if (dtype == c10::ScalarType::Undefined) return;
+  if (device != c10::DeviceType::CPU && device != c10::DeviceType::CUDA) return;
+  active_ = true;
+  device_ = device;
+  was_enabled_ = AutocastEnabled(device);
+  was_dtype_ = AutocastDtype(device);
+  SetAutocast(device, true, dtype);
+  at::autocast::increment_nesting();
+}
+
+AutocastScope::~AutocastScope() {
+  if (!active_) return;
+  // As torch.autocast's __exit__: the cached casts of the weights go with the outermost scope.
+  if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+  SetAutocast(device_, was_enabled_, was_dtype_);
+}
+
+c10::IValue ToFloat32(const c10::IValue& value) {
+  if (value.isTensor()) {
+    const at::Tensor& t = value.toTensor();
+    if (at::isFloatingType(t.scalar_type()) && t.scalar_type() != at::kFloat && t.scalar_type() != at::kDouble) {
+      return t.to(at::kFloat);
+    }
+    return value;
+  }
+  if (value.isTuple()) {
+    std::vector<c10::IValue> elements;
+    for (const c10::IValue& e : value.toTupleRef().elements()) elements.push_back(ToFloat32(e));
+    return c10::ivalue::Tuple::create(std::move(elements));
+  }
+  if (value.isList()) {
+    c10::impl::GenericList out(value.toList().elementType());
+    for (const c10::IValue& e : value.toList()) out.push_back(ToFloat32(e));
+    return out;
+  }
+  return value;
+}
+
+void UseExactFloat32() {
+  at::globalContext().setAllowTF32CuBLAS(false);
+  at::globalContext().setAllowTF32CuDNN(false);
 }
 
 }  // namespace pippy::stage

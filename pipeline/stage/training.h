@@ -1,4 +1,4 @@
-// Losses and optimizers of a training job, from LibTorch.
+// Losses, optimizers and mixed precision of a training job, from LibTorch.
 #ifndef PIPPY_PIPELINE_STAGE_TRAINING_H_
 #define PIPPY_PIPELINE_STAGE_TRAINING_H_
 
@@ -34,6 +34,36 @@ struct OptimizerOptions {
 // Errors: INVALID_ARGUMENT naming an unknown optimizer or a bad option.
 absl::StatusOr<std::unique_ptr<torch::optim::Optimizer>> MakeOptimizer(const OptimizerOptions& options,
                                                                        std::vector<at::Tensor> params);
+
+
+// Mixed precision for the scope of a stage's forward, as `with torch.autocast(
+// device_type, dtype=...)` does it: the ops autocast lists (matrix products,
+// convolutions) run in `dtype`, those it keeps in fp32 in fp32, while parameters stay
+// fp32 (their reduced copies are cached for the scope and dropped at its end, since the
+// optimizer changes them between steps). Thread-local: only the constructing thread's
+// ops are cast, so backward (run outside the scope) is not. A scope with dtype
+// Undefined does nothing. Only CPU and CUDA devices autocast.
+class AutocastScope {
+ public:
+  AutocastScope(c10::DeviceType device, c10::ScalarType dtype);
+  ~AutocastScope();
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+
+ private:
+  bool active_ = false;
+  c10::DeviceType device_ = c10::DeviceType::CPU;
+  bool was_enabled_ = false;
+  c10::ScalarType was_dtype_ = c10::ScalarType::Undefined;
+};
+
+// `value` with its tensors of a reduced floating type (bf16, fp16) cast to fp32,
+// through tuples and lists: the loss of a mixed-precision job is computed in fp32.
+c10::IValue ToFloat32(const c10::IValue& value);
+
+// Makes fp32 matrix products on GPUs exact fp32 (TF32 off for cuBLAS and cuDNN), as
+// an fp32 job must be to compare with PyTorch. Process-wide; nothing on CPUs.
+void UseExactFloat32();
 
 }  // namespace pippy::stage
 

@@ -4,14 +4,22 @@
 usage: check_training.py MODEL.pt DATA.pt TRAINED.pt --steps N --batch-size B
                          --microbatches M --loss mse|cross_entropy|model
                          --optimizer sgd|adam|adamw --lr X [--momentum X] [--weight-decay X]
-                         [--tolerance 1e-4]
+                         [--tolerance 1e-4] [--dtype fp32|bf16] [--device cpu|cuda]
+                         [--losses JOB.json --loss-tolerance 0.01]
 
 The reference: torch.jit.load(MODEL) trained with torch.optim for N steps; step k uses
 samples [k*B, (k+1)*B) of DATA (wrapping), with gradients accumulated over M equal
 micro-batches (loss / M each), which is the computation a pipeline performs.
+--dtype bf16: each micro-batch's forward under torch.autocast(device, torch.bfloat16),
+the loss in fp32 on the output cast to fp32 (pippy's mixed precision). --device cuda:
+the reference trains on the GPU (TF32 off, as pippy's fp32 jobs).
+--losses: `pippyctl status JOB --output json`; its per-step losses must be within
+--loss-tolerance (relative) of the reference's.
 Prints the max relative difference over all parameters; exit 1 if above tolerance.
 """
 import argparse
+import contextlib
+import json
 import sys
 
 import torch
@@ -41,10 +49,23 @@ def main():
     ap.add_argument("--weight-decay", type=float, default=None,
                     help="default: torch.optim's (0.01 for AdamW, 0 otherwise), as pippy's")
     ap.add_argument("--tolerance", type=float, default=1e-4)
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--losses", help="pippyctl status JOB --output json")
+    ap.add_argument("--loss-tolerance", type=float, default=0.01)
     a = ap.parse_args()
     torch.set_num_threads(1)
-    model = torch.jit.load(a.model)
-    data = torch.load(a.data)
+    if a.dtype == "bf16":
+        # As pippy runs TorchScript (graph optimisation off): the optimising executor's
+        # autocast pass casts a few ops differently from eager autocast (losses then
+        # differ by ~4e-4 relative on the zoo's GPT); with it off, autocast acts op by op.
+        torch._C._set_graph_executor_optimize(False)
+    device = torch.device(a.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    model = torch.jit.load(a.model, map_location=device)
+    data = torch.load(a.data, map_location=device)
     inputs, targets = data["inputs"], data["targets"]
     names = [arg.name for arg in model.forward.schema.arguments[1:]]
     if isinstance(inputs, dict):
@@ -68,20 +89,52 @@ def main():
             return F.cross_entropy(out.reshape(-1, out.shape[-1]), tgt.reshape(-1))
         return model.loss(out, tgt)
 
+    def autocast():
+        if a.dtype == "bf16":
+            return torch.autocast(device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def as_fp32(out):
+        if isinstance(out, torch.Tensor) and out.is_floating_point() and out.dtype != torch.float32:
+            return out.float()
+        if isinstance(out, tuple):
+            return tuple(as_fp32(o) for o in out)
+        return out
+
     m = a.microbatches
+    losses = []
     for step in range(a.steps):
         idx = rows(step, a.batch_size, n)
         batch = [take(t, idx) for t in inputs]
         tgt = take(targets, idx)
         chunks = [t.chunk(m, 0) if isinstance(t, torch.Tensor) else [t] * m for t in batch]
         tchunks = tgt.chunk(m, 0)
+        total = 0.0
         for k in range(m):
-            loss = loss_fn(model(*[c[k] for c in chunks]), tchunks[k])
+            with autocast():
+                out = model(*[c[k] for c in chunks])
+            loss = loss_fn(as_fp32(out) if a.dtype == "bf16" else out, tchunks[k])
+            total += loss.item()
             (loss / m).backward()
+        losses.append(total / m)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    trained = torch.jit.load(a.trained)
+    status = 0
+    if a.losses:
+        with open(a.losses) as f:
+            got_losses = json.load(f).get("losses", [])
+        if len(got_losses) != len(losses):
+            print(f"FAIL: the job reported {len(got_losses)} losses, the reference has {len(losses)}")
+            return 1
+        worst_loss = max(abs(g - w) / max(abs(w), 1e-30) for g, w in zip(got_losses, losses))
+        ok = worst_loss <= a.loss_tolerance
+        print(f"{'ok  ' if ok else 'FAIL'} loss curve vs PyTorch ({a.dtype}): max relative difference "
+              f"{worst_loss:.3g} over {len(losses)} steps (bound {a.loss_tolerance}); pippy "
+              f"{[round(x, 5) for x in got_losses]}, PyTorch {[round(x, 5) for x in losses]}")
+        status = 0 if ok else 1
+
+    trained = torch.jit.load(a.trained, map_location=device)
     want = model.state_dict()
     got = trained.state_dict()
     if set(want) != set(got):
@@ -94,9 +147,9 @@ def main():
         d = (got[k].double() - w.double()).abs().max().item()
         worst = max(worst, d / max(w.double().abs().max().item(), 1e-30))
     ok = worst <= a.tolerance
-    print(f"{'ok  ' if ok else 'FAIL'} trained model vs plain PyTorch loop ({a.optimizer}, {a.steps} steps): "
-          f"max relative difference {worst:.3g} over {len(want)} tensors")
-    return 0 if ok else 1
+    print(f"{'ok  ' if ok else 'FAIL'} trained model vs plain PyTorch loop ({a.optimizer}, {a.dtype}, {a.steps} "
+          f"steps): max relative difference {worst:.3g} over {len(want)} tensors")
+    return status if ok else 1
 
 
 if __name__ == "__main__":

@@ -254,6 +254,28 @@ int VisibleDevices() {
   return n;
 }
 
+absl::StatusOr<DeviceInfo> GetDeviceInfo(int device) {
+  cudaDeviceProp prop;
+  cudaError_t e = cudaGetDeviceProperties(&prop, device);
+  if (e != cudaSuccess) {
+    return absl::UnavailableError(absl::StrCat("cuda:", device, ": cudaGetDeviceProperties: ", cudaGetErrorString(e)));
+  }
+  int previous = 0;
+  cudaGetDevice(&previous);
+  size_t free_bytes = 0, total_bytes = 0;
+  e = cudaSetDevice(device);
+  if (e == cudaSuccess) e = cudaMemGetInfo(&free_bytes, &total_bytes);
+  cudaSetDevice(previous);
+  if (e != cudaSuccess) {
+    return absl::UnavailableError(absl::StrCat("cuda:", device, ": cudaMemGetInfo: ", cudaGetErrorString(e)));
+  }
+  DeviceInfo info;
+  info.name = prop.name;
+  info.free_bytes = static_cast<int64_t>(free_bytes);
+  info.total_bytes = static_cast<int64_t>(total_bytes);
+  return info;
+}
+
 absl::StatusOr<std::string> NewUniqueId() {
   ncclUniqueId id;
   absl::Status s = NcclStatus(ncclGetUniqueId(&id), "ncclGetUniqueId");

@@ -41,6 +41,16 @@ struct Options {
 // Number of CUDA devices visible (0 where there is no GPU or no CUDA build).
 int VisibleDevices();
 
+// A CUDA device's name and memory (cudaGetDeviceProperties, cudaMemGetInfo), for a
+// worker's registration. Errors: UNIMPLEMENTED without CUDA; UNAVAILABLE with CUDA's
+// message.
+struct DeviceInfo {
+  std::string name;
+  int64_t free_bytes = 0;
+  int64_t total_bytes = 0;
+};
+absl::StatusOr<DeviceInfo> GetDeviceInfo(int device);
+
 // A new NCCL unique id (bytes) for rank 0 to hand to the others.
 absl::StatusOr<std::string> NewUniqueId();
 

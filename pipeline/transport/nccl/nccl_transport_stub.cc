@@ -5,6 +5,10 @@ namespace pippy::transport::nccl {
 
 int VisibleDevices() { return 0; }
 
+absl::StatusOr<DeviceInfo> GetDeviceInfo(int) {
+  return absl::UnimplementedError("pippy was built without CUDA/NCCL (see //third_party/cuda)");
+}
+
 absl::StatusOr<std::string> NewUniqueId() {
   return absl::UnimplementedError("pippy was built without CUDA/NCCL (see //third_party/cuda)");
 }

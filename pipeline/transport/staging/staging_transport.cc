@@ -1,0 +1,75 @@
+#include "pipeline/transport/staging/staging_transport.h"
+
+#include <utility>
+#include <vector>
+
+#include "ATen/core/ivalue.h"
+#include "ATen/core/List.h"
+
+namespace pippy::transport::staging {
+
+c10::IValue ToDevice(const c10::IValue& value, const c10::Device& device) {
+  if (value.isTensor()) {
+    const at::Tensor& t = value.toTensor();
+    if (!t.defined() || t.device() == device) return value;
+    return t.to(device);
+  }
+  if (value.isTuple()) {
+    std::vector<c10::IValue> elements;
+    for (const c10::IValue& e : value.toTupleRef().elements()) elements.push_back(ToDevice(e, device));
+    return c10::ivalue::Tuple::create(std::move(elements));
+  }
+  if (value.isList()) {
+    c10::impl::GenericList out(value.toList().elementType());
+    for (const c10::IValue& e : value.toList()) out.push_back(ToDevice(e, device));
+    return out;
+  }
+  return value;
+}
+
+bool HasTensorOffDevice(const c10::IValue& value, const c10::Device& device) {
+  if (value.isTensor()) return value.toTensor().defined() && value.toTensor().device() != device;
+  if (value.isTuple()) {
+    for (const c10::IValue& e : value.toTupleRef().elements()) {
+      if (HasTensorOffDevice(e, device)) return true;
+    }
+  }
+  if (value.isList()) {
+    for (const c10::IValue& e : value.toList()) {
+      if (HasTensorOffDevice(e, device)) return true;
+    }
+  }
+  return false;
+}
+
+namespace {
+
+// A receive whose value is handed out on the rank's device.
+class StagedRecv : public Work {
+ public:
+  StagedRecv(std::shared_ptr<Work> inner, c10::Device device) : inner_(std::move(inner)), device_(device) {}
+  absl::Status Wait(absl::Duration timeout) override { return inner_->Wait(timeout); }
+  bool IsCompleted() override { return inner_->IsCompleted(); }
+  void Cancel() override { inner_->Cancel(); }
+  c10::IValue Value() override { return ToDevice(inner_->Value(), device_); }
+
+ private:
+  std::shared_ptr<Work> inner_;
+  c10::Device device_;
+};
+
+}  // namespace
+
+std::shared_ptr<Work> StagingTransport::Send(int peer, const Tag& tag, c10::IValue value) {
+  const c10::Device host(c10::kCPU);
+  if (HasTensorOffDevice(value, host)) value = ToDevice(value, host);
+  return host_->Send(peer, tag, std::move(value));
+}
+
+std::shared_ptr<Work> StagingTransport::Recv(int peer, const Tag& tag) {
+  std::shared_ptr<Work> inner = host_->Recv(peer, tag);
+  if (device_.is_cpu()) return inner;
+  return std::make_shared<StagedRecv>(std::move(inner), device_);
+}
+
+}  // namespace pippy::transport::staging
