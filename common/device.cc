@@ -58,8 +58,8 @@ absl::Status CheckDevice(const Device& device, bool libtorch_has_cuda, int cuda_
     return absl::InvalidArgumentError(absl::StrCat(
         "--device ", device.ToString(),
         ": this build's LibTorch has no CUDA (Debian's libtorch is CPU-only). GPU workers need pippy built against "
-        "a LibTorch with CUDA (PyTorch's, e.g. the torch Python package's include/ and lib/), which the Bazel build "
-        "does not offer yet (scripts/gpu-check builds the GPU transport tests that way); use --device cpu"));
+        "a LibTorch with CUDA: build with PIPPY_LIBTORCH=DIR bazel build //... (DIR: PyTorch's torch package "
+        "folder, with include/ and lib/) or scripts/build-nobazel --torch DIR; or use --device cpu"));
   }
   if (device.index >= cuda_devices) {
     return absl::InvalidArgumentError(absl::StrCat("--device ", device.ToString(), ": this process sees ",

@@ -186,8 +186,9 @@ absl::StatusOr<std::unique_ptr<RankRuntime>> RankRuntime::Create(int rank, const
   rt->plan_ = plan;
   rt->stages_ = std::move(stages);
   if (!options.device.is_cpu()) {
-    for (auto& [s, module] : rt->stages_) {
-      PIPPY_RETURN_IF_ERROR(TorchCall(absl::StrCat("moving stage ", s, " to ", options.device.str()), [&] {
+    for (auto& stage : rt->stages_) {  // not a structured binding: the lambda uses it
+      torch::jit::Module& module = stage.second;
+      PIPPY_RETURN_IF_ERROR(TorchCall(absl::StrCat("moving stage ", stage.first, " to ", options.device.str()), [&] {
         module.to(options.device);
       }, absl::StatusCode::kResourceExhausted));
     }

@@ -8,6 +8,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "pipeline/transport/loopback/loopback_transport.h"
+#include "pipeline/transport/staging/staging_transport.h"
 #include "pipeline/transport/nccl/nccl_group.h"
 #include "pipeline/transport/nccl/nccl_transport.h"
 #include "pipeline/transport/ucx/peer_process.h"
@@ -236,6 +237,43 @@ TEST_P(TransportSuite, EveryDtypeTheRuntimeSends_RoundTrips) {
 // The wire format on its own: both layouts, and what a receiver refuses.
 at::Tensor Alloc(const std::vector<int64_t>& sizes, c10::ScalarType dtype) {
   return at::empty(sizes, at::TensorOptions().dtype(dtype));
+}
+
+// ucx+staging's logic, seen from a CPU-only build: the "device" is `meta` (tensors with
+// shapes and dtypes but no data), which LibTorch can move host tensors to.
+TEST(StagingTransport, ReceivedValuesArriveOnTheRankDevice_StructureKept_HostRankPassesThrough) {
+  auto group = loopback::Create(2);
+  const c10::Device meta(c10::kMeta);
+  staging::StagingTransport sender(group[0].get(), c10::Device(c10::kCPU));
+  staging::StagingTransport receiver(group[1].get(), meta);
+  EXPECT_EQ(receiver.rank(), 1);
+  EXPECT_EQ(receiver.world_size(), 2);
+  Tag tag;
+  const at::Tensor x = at::randn({3, 4}).to(at::kBFloat16);
+  const c10::IValue value = c10::ivalue::Tuple::create({x, c10::IValue(), c10::IValue(int64_t{7})});
+  auto send = sender.Send(1, tag, value);
+  auto recv = receiver.Recv(0, tag);
+  ASSERT_TRUE(recv->Wait(absl::Seconds(10)).ok());
+  ASSERT_TRUE(send->Wait(absl::Seconds(10)).ok());
+  const c10::IValue got = recv->Value();
+  ASSERT_TRUE(got.isTuple());
+  const auto& e = got.toTupleRef().elements();
+  ASSERT_EQ(e.size(), 3u);
+  EXPECT_EQ(e[0].toTensor().device(), meta);
+  EXPECT_EQ(e[0].toTensor().sizes(), x.sizes());
+  EXPECT_EQ(e[0].toTensor().scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(e[1].isNone());
+  EXPECT_EQ(e[2].toInt(), 7);
+  EXPECT_TRUE(staging::HasTensorOffDevice(value, meta));
+  EXPECT_FALSE(staging::HasTensorOffDevice(value, c10::Device(c10::kCPU)));
+  // A rank on the host hands values through unchanged: the same tensor, not a copy.
+  Tag back;
+  back.microbatch = 1;
+  auto s2 = receiver.Send(0, back, x);
+  auto r2 = sender.Recv(1, back);
+  ASSERT_TRUE(r2->Wait(absl::Seconds(10)).ok());
+  EXPECT_TRUE(r2->Value().toTensor().equal(x));
+  EXPECT_TRUE(staging::ToDevice(c10::IValue(x), c10::Device(c10::kCPU)).toTensor().is_same(x));
 }
 
 TEST(WireFormat, SeparateAndInlinePayload_RoundTrip) {

@@ -56,6 +56,13 @@ try:
 except pippy.PippyError as e:
     assert e.code == grpc.StatusCode.INVALID_ARGUMENT and "batch_size" in str(e), e
     print("refused:", e)
+spec = pippy.make_spec(sys.argv[2], sys.argv[3], stages=2, schedule="1f1b", microbatches=2, batch_size=16, dtype="bf16")
+assert spec.precision == pippy.job_pb2.PRECISION_BF16, spec
+try:
+    pippy.make_spec(sys.argv[2], sys.argv[3], stages=2, schedule="1f1b", microbatches=2, batch_size=16, dtype="fp16")
+    raise SystemExit("no error for dtype fp16")
+except ValueError as e:
+    assert "dtype: unknown 'fp16'; use fp32, bf16" in str(e), e
 PY
 then ok "errors: $(tail -1 "$TMP/errors.out")"; else bad "errors: $(cat "$TMP/errors.out")"; fi
 

@@ -41,6 +41,7 @@ SCHEDULES = {"gpipe": "SCHEDULE_GPIPE", "1f1b": "SCHEDULE_1F1B", "interleaved-1f
 LOSSES = {"mse": "LOSS_MSE", "cross_entropy": "LOSS_CROSS_ENTROPY", "model": "LOSS_MODEL"}
 OPTIMIZERS = {"sgd": "OPTIMIZER_SGD", "adam": "OPTIMIZER_ADAM", "adamw": "OPTIMIZER_ADAMW"}
 BALANCES = {"params": "BALANCE_PARAMS", "flops": "BALANCE_FLOPS", "time": "BALANCE_TIME"}
+PRECISIONS = {"fp32": "PRECISION_FP32", "bf16": "PRECISION_BF16"}
 
 
 class PippyError(Exception):
@@ -98,10 +99,13 @@ def _enum(table, value, what):
 def make_spec(model_path, data_path=None, *, stages=0, split_at=(), balance="params", schedule, microbatches,
               batch_size, steps=1, loss=None, optimizer=None, lr=0.01, momentum=0.0, weight_decay=None,
               beta1=None, beta2=None, eps=None, clip_grad_norm=0.0, name=None, seed=0, synthetic="",
-              stages_per_worker=0, replicas=1, checkpoint_every=None, max_restarts=None, recovery_timeout_s=None):
-    """The JobSpec pippyctl submit would send (the coordinator checks it again)."""
+              stages_per_worker=0, replicas=1, checkpoint_every=None, max_restarts=None, recovery_timeout_s=None,
+              dtype="fp32"):
+    """The JobSpec pippyctl submit would send (the coordinator checks it again).
+    dtype: "fp32" or "bf16" (autocast to bfloat16, fp32 weights; pippyctl's --dtype)."""
     spec = job_pb2.JobSpec(name=name or os.path.splitext(os.path.basename(model_path))[0], steps=steps,
                            batch_size=batch_size, seed=seed, replicas=replicas)
+    spec.precision = job_pb2.Precision.Value(_enum(PRECISIONS, dtype, "dtype"))
     spec.split.stages = stages
     spec.split.split_at.extend(split_at)
     spec.split.balance = job_pb2.Balance.Value(_enum(BALANCES, balance, "balance"))
@@ -183,11 +187,12 @@ class Client:
         return self._submit_spec(job_spec, model_path, data_path)
 
     def serve(self, model_path, example=None, *, stages=0, split_at=(), balance="params", max_batch=0,
-              max_delay_ms=None, max_inflight=0, name=None, synthetic="", seed=0):
+              max_delay_ms=None, max_inflight=0, name=None, synthetic="", seed=0, dtype="fp32"):
         """Starts a serving job (pippyctl serve): the model split into stages that stay
         loaded until cancel(). example: a file with an example input (a request's input
         or a data file), or synthetic="inputs=float32[8,1024]". Returns the job id."""
         spec = job_pb2.JobSpec(name=name or os.path.splitext(os.path.basename(model_path))[0], seed=seed)
+        spec.precision = job_pb2.Precision.Value(_enum(PRECISIONS, dtype, "dtype"))
         spec.split.stages = stages
         spec.split.split_at.extend(split_at)
         spec.split.balance = job_pb2.Balance.Value(_enum(BALANCES, balance, "balance"))
