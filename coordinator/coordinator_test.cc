@@ -162,6 +162,7 @@ class CoordinatorTest : public ::testing::Test {
     reg.set_name(absl::StrCat("w", ids_.size()));
     reg.set_device(device);
     reg.set_free_memory(free_memory);
+    if (device != "cpu") reg.set_device_name("Fake GPU");
     ids_.push_back(coordinator_->AddWorker(reg, w));
     return w;
   }
@@ -382,6 +383,14 @@ TEST_F(CoordinatorTest, GpuWorkers_PlacementByDeviceMemory) {
   const int64_t r1 = job::RankMemoryBytes(job.spec(), job.plan(), stage_to_rank, 1);
   EXPECT_GT(r0, 1000);
   EXPECT_EQ(job.workers(r0 >= r1 ? 0 : 1), ids_[2]);
+  // A GPU rank next to a CPU rank: their edge stages through host memory.
+  ASSERT_EQ(job.edges_size(), 1);
+  EXPECT_EQ(job.edges(0).transport(), "ucx+staging");
+  // ListWorkers shows each GPU's name and the memory it registered.
+  for (const WorkerInfo& w : coordinator_->ListWorkers()) {
+    EXPECT_EQ(w.device_name(), w.device() == "cpu" ? "" : "Fake GPU") << w.name();
+    if (w.device() == "cuda:1") EXPECT_EQ(w.free_memory(), 1000);
+  }
   EXPECT_TRUE(coordinator_->CancelJob(*id).ok());
 }
 

@@ -125,6 +125,27 @@ grep -q "DEADLINE_EXCEEDED\|Deadline" "$TMP/deadline.err" && [ "$dropped" = "(0,
   || bad "deadline: $(cat "$TMP/deadline.err") $dropped"
 ctl cancel "$JOB3" > /dev/null
 
+# Mixed precision: a bf16 serving job answers what PyTorch's autocast gives (op by op,
+# as the workers run TorchScript), in bf16.
+wait_idle 1 > /dev/null
+ctl serve "$ZOO/gpt.pt" --stages 1 --example "$ZOO/gpt.input.pt" --dtype bf16 --name gpt-bf16 --wait \
+  > "$TMP/serve_bf16.out" 2>&1
+JOB_BF16=$(head -1 "$TMP/serve_bf16.out")
+if ctl infer gpt-bf16 --input "$TMP/one.pt" -o "$TMP/one.bf16.pt" > /dev/null 2> "$TMP/bf16.err" &&
+   /usr/bin/python3 - "$ZOO/gpt.pt" "$TMP" > "$TMP/bf16.out" 2>&1 <<'PY'
+import sys, torch
+torch._C._set_graph_executor_optimize(False)
+m = torch.jit.load(sys.argv[1]); tmp = sys.argv[2]
+x = torch.load(f"{tmp}/one.pt"); y = torch.load(f"{tmp}/one.bf16.pt")
+with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    want = m(x)
+d = ((y.float() - want.float()).abs().max() / want.float().abs().max()).item()
+print(f"{y.dtype}, max relative difference {d} against torch.autocast")
+sys.exit(0 if y.dtype == want.dtype == torch.bfloat16 and d == 0 else 1)
+PY
+then ok "bf16 serving: $(cat "$TMP/bf16.out")"; else bad "bf16 serving: $(cat "$TMP/bf16.err" "$TMP/bf16.out")"; fi
+ctl cancel "$JOB_BF16" > /dev/null
+
 # A malformed request does not reach the pipeline (or disturb it): the next one is answered.
 printf 'garbage' > "$TMP/garbage.pt"
 ctl infer "$JOB" --input "$TMP/garbage.pt" > /dev/null 2> "$TMP/garbage.err"
