@@ -15,6 +15,7 @@
 #include "pipeline/partition/model_graph.h"
 #include "pipeline/partition/model_io.h"
 #include "pipeline/stage/microbatch.h"
+#include "pipeline/transport/transport.h"
 #include "torch/csrc/jit/serialization/pickle.h"
 #include "torch/script.h"
 
@@ -62,22 +63,9 @@ struct Inflight {
 // Rows [begin, end) of an output: tensors along dim 0, tuples and lists element-wise;
 // anything else is the micro-batch's as a whole.
 c10::IValue SliceRows(const c10::IValue& v, int64_t begin, int64_t end) {
-  if (v.isTensor()) {
-    const at::Tensor& t = v.toTensor();
-    if (t.dim() == 0) return t;
-    return t.narrow(0, begin, end - begin).clone();
-  }
-  if (v.isTuple()) {
-    std::vector<c10::IValue> out;
-    for (const c10::IValue& e : v.toTupleRef().elements()) out.push_back(SliceRows(e, begin, end));
-    return c10::ivalue::Tuple::create(std::move(out));
-  }
-  if (v.isList()) {
-    c10::impl::GenericList out(v.toList().elementType());
-    for (const c10::IValue& e : v.toList()) out.push_back(SliceRows(e, begin, end));
-    return out;
-  }
-  return v;
+  return transport::MapTensors(v, [&](const at::Tensor& t) {
+    return t.dim() == 0 ? t : t.narrow(0, begin, end - begin).clone();
+  });
 }
 
 std::string BucketOf(const std::vector<at::Tensor>& inputs) {

@@ -24,7 +24,6 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "common/cli.h"
-#include "common/device.h"
 #include "common/log.h"
 #include "common/memory.h"
 #include "common/status.h"
@@ -36,7 +35,7 @@
 #include "pipeline/stage/data_source.h"
 #include "pipeline/transport/staging/staging_transport.h"
 #include "pipeline/transport/ucx/ucx_transport.h"
-#include "torch/cuda.h"
+#include "worker/process_device.h"
 #include "torch/csrc/jit/runtime/graph_executor.h"
 
 namespace pippy {
@@ -118,11 +117,7 @@ absl::Status Run(const Flags& f) {
   spec.mutable_optimizer()->set_clip_grad_norm(f.clip);
   PIPPY_ASSIGN_OR_RETURN(Precision precision, job::ParsePrecision(f.dtype));
   spec.set_precision(precision);
-  PIPPY_ASSIGN_OR_RETURN(Device dev, ParseDevice(f.device));
-  const bool has_cuda = at::hasCUDA();
-  const int gpus = has_cuda ? static_cast<int>(torch::cuda::device_count()) : 0;
-  dev = ResolveDevice(dev, gpus, std::getenv("LOCAL_RANK"));
-  PIPPY_RETURN_IF_ERROR(CheckDevice(dev, has_cuda, gpus));
+  PIPPY_ASSIGN_OR_RETURN(Device dev, worker::ProcessDevice(f.device));
   const c10::Device device(dev.ToString());
   spec.set_steps(f.steps);
   spec.set_batch_size(f.batch_size);

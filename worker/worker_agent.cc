@@ -15,11 +15,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "ATen/Context.h"
 #include "common/chunker.h"
-#include "common/device.h"
-#include "pipeline/transport/nccl/nccl_transport.h"
-#include "pipeline/transport/staging/staging_transport.h"
 #include "common/log.h"
 #include "common/memory.h"
 #include "common/metrics.h"
@@ -34,11 +30,13 @@
 #include "pipeline/stage/data_source.h"
 #include "pipeline/stage/microbatch.h"
 #include "pipeline/transport/gloo/gloo_group.h"
+#include "pipeline/transport/nccl/nccl_transport.h"
+#include "pipeline/transport/staging/staging_transport.h"
 #include "pipeline/transport/ucx/ucx_transport.h"
 #include "proto/coordinator.grpc.pb.h"
-#include "torch/cuda.h"
 #include "torch/csrc/jit/runtime/graph_executor.h"
 #include "torch/csrc/jit/serialization/pickle.h"
+#include "worker/process_device.h"
 
 namespace pippy::worker {
 namespace {
@@ -599,10 +597,12 @@ class Agent {
     const JobSpec& spec = a.spec();
     log::Info("job={} rank={} of {}: received {} bytes; loading stage(s)", a.job_id(), a.rank(), a.world_size(),
               in.bytes_received);
-    if (std::max(1, spec.replicas()) > 1 && options_.device != "cpu") {
+    if (std::max(1, spec.replicas()) > 1 && IsGpuDevice(options_.device)) {
       return absl::UnimplementedError(absl::StrCat("data parallelism (replicas ", spec.replicas(), ") runs on CPU "
                                                    "workers only (the replicas' all-reduce is gloo over TCP); this "
-                                                   "worker's device is ", options_.device));
+                                                   "worker's device is ", options_.device,
+                                                   ": submit without --replicas, or to workers started with "
+                                                   "--device cpu"));
     }
     at::set_num_threads(options_.threads);
     torch::jit::setGraphExecutorOptimize(false);
@@ -784,11 +784,7 @@ class Agent {
 }  // namespace
 
 absl::Status RunAgent(const AgentOptions& options) {
-  PIPPY_ASSIGN_OR_RETURN(Device device, ParseDevice(options.device));
-  const bool has_cuda = at::hasCUDA();
-  const int gpus = has_cuda ? static_cast<int>(torch::cuda::device_count()) : 0;
-  device = ResolveDevice(device, gpus, std::getenv("LOCAL_RANK"));
-  PIPPY_RETURN_IF_ERROR(CheckDevice(device, has_cuda, gpus));
+  PIPPY_ASSIGN_OR_RETURN(Device device, ProcessDevice(options.device));
   AgentOptions o = options;
   o.device = device.ToString();
   if (device.kind == Device::Kind::kCuda) {

@@ -74,15 +74,15 @@ struct EdgeTransport {
   std::string transport;
 };
 
-// Every edge (producer stage -> consumer stage) whose stages are on different ranks,
-// in stage order, with its transport, for the placement `ranks` (by rank).
-// REQUIRES: CheckPlan passed; stage_to_rank and ranks cover the plan's ranks.
 // Whether the workers run NCCL between a job's GPU ranks. Not yet: the NCCL backend
 // (transport/nccl) is built and tested on its own, but workers do not build a job's
 // communicator, so every GPU edge is "ucx+staging" for now.
 inline constexpr bool kJobsUseNccl = false;
 
-// `use_nccl` false: edges between different GPUs stage over UCX too.
+// Every edge (producer stage -> consumer stage) whose stages are on different ranks,
+// in stage order, with its transport, for the placement `ranks` (by rank). With
+// `use_nccl` false, edges between different GPUs stage over UCX too.
+// REQUIRES: CheckPlan passed; stage_to_rank and ranks cover the plan's ranks.
 std::vector<EdgeTransport> EdgeTransportsFor(const PipelinePlan& plan, const std::vector<int>& stage_to_rank,
                                              const std::vector<RankPlace>& ranks, bool use_nccl = kJobsUseNccl);
 

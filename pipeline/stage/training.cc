@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/torch_status.h"
+#include "pipeline/transport/transport.h"
 #include "ATen/autocast_mode.h"
 #include "torch/nn/functional/loss.h"
 #include "torch/version.h"
@@ -131,24 +132,11 @@ AutocastScope::~AutocastScope() {
 }
 
 c10::IValue ToFloat32(const c10::IValue& value) {
-  if (value.isTensor()) {
-    const at::Tensor& t = value.toTensor();
-    if (at::isFloatingType(t.scalar_type()) && t.scalar_type() != at::kFloat && t.scalar_type() != at::kDouble) {
-      return t.to(at::kFloat);
-    }
-    return value;
-  }
-  if (value.isTuple()) {
-    std::vector<c10::IValue> elements;
-    for (const c10::IValue& e : value.toTupleRef().elements()) elements.push_back(ToFloat32(e));
-    return c10::ivalue::Tuple::create(std::move(elements));
-  }
-  if (value.isList()) {
-    c10::impl::GenericList out(value.toList().elementType());
-    for (const c10::IValue& e : value.toList()) out.push_back(ToFloat32(e));
-    return out;
-  }
-  return value;
+  return transport::MapTensors(value, [](const at::Tensor& t) {
+    const bool reduced = at::isFloatingType(t.scalar_type()) && t.scalar_type() != at::kFloat &&
+                         t.scalar_type() != at::kDouble;
+    return reduced ? t.to(at::kFloat) : t;
+  });
 }
 
 void UseExactFloat32() {

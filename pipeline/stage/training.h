@@ -35,7 +35,6 @@ struct OptimizerOptions {
 absl::StatusOr<std::unique_ptr<torch::optim::Optimizer>> MakeOptimizer(const OptimizerOptions& options,
                                                                        std::vector<at::Tensor> params);
 
-
 // Mixed precision for the scope of a stage's forward, as `with torch.autocast(
 // device_type, dtype=...)` does it: the ops autocast lists (matrix products,
 // convolutions) run in `dtype`, those it keeps in fp32 in fp32, while parameters stay

@@ -33,4 +33,19 @@ std::string Tag::ToString() const {
   return absl::StrCat(k, " step=", step, " mb=", microbatch, " stage ", src_stage, "->", dst_stage, " #", index);
 }
 
+c10::IValue MapTensors(const c10::IValue& value, const std::function<at::Tensor(const at::Tensor&)>& fn) {
+  if (value.isTensor()) return fn(value.toTensor());
+  if (value.isTuple()) {
+    std::vector<c10::IValue> elements;
+    for (const c10::IValue& e : value.toTupleRef().elements()) elements.push_back(MapTensors(e, fn));
+    return c10::ivalue::Tuple::create(std::move(elements));
+  }
+  if (value.isList()) {
+    c10::impl::GenericList out(value.toList().elementType());
+    for (const c10::IValue& e : value.toList()) out.push_back(MapTensors(e, fn));
+    return out;
+  }
+  return value;
+}
+
 }  // namespace pippy::transport

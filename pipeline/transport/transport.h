@@ -22,6 +22,7 @@
 #define PIPPY_PIPELINE_TRANSPORT_TRANSPORT_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -67,6 +68,10 @@ class Work {
   // The received value. REQUIRES: a receive whose Wait() returned OK.
   virtual c10::IValue Value() = 0;
 };
+
+// `value` with `fn` applied to every tensor in it, through tuples and lists (which
+// keep their element type); other values as they are.
+c10::IValue MapTensors(const c10::IValue& value, const std::function<at::Tensor(const at::Tensor&)>& fn);
 
 class Transport {
  public:

@@ -9,22 +9,7 @@
 namespace pippy::transport::staging {
 
 c10::IValue ToDevice(const c10::IValue& value, const c10::Device& device) {
-  if (value.isTensor()) {
-    const at::Tensor& t = value.toTensor();
-    if (!t.defined() || t.device() == device) return value;
-    return t.to(device);
-  }
-  if (value.isTuple()) {
-    std::vector<c10::IValue> elements;
-    for (const c10::IValue& e : value.toTupleRef().elements()) elements.push_back(ToDevice(e, device));
-    return c10::ivalue::Tuple::create(std::move(elements));
-  }
-  if (value.isList()) {
-    c10::impl::GenericList out(value.toList().elementType());
-    for (const c10::IValue& e : value.toList()) out.push_back(ToDevice(e, device));
-    return out;
-  }
-  return value;
+  return MapTensors(value, [&](const at::Tensor& t) { return !t.defined() || t.device() == device ? t : t.to(device); });
 }
 
 bool HasTensorOffDevice(const c10::IValue& value, const c10::Device& device) {
