@@ -1,8 +1,11 @@
 // Staged-UCX ("ucx+staging") activation bandwidth: round trips of a tensor on the
 // device through transport/staging over UCX to an echo peer process (ucx_peer) and
 // back onto the device, side by side with a plain device -> host -> device copy round
-// trip of the same bytes (the copies alone, which staging cannot beat). Prints a table
-// with the ratio. On a CPU device the "copies" are host memcpys (a smoke run).
+// trip of the same bytes (the copies alone, which staging cannot beat). Two stagings:
+// the rank's own (StagingTransport::ForDevice: on a GPU, pinned buffers and a copy
+// stream) and the synchronous one (Tensor::to on the caller's stream). Prints a table
+// with the ratios. On a CPU device both are the same and the "copies" are host
+// memcpys (a smoke run).
 //
 //   staging_bench --peer PATH/ucx_peer [--device cuda:0|cpu] [--tls sm,self]
 //                 [--mib 1,16,64] [--iters 20]
@@ -54,15 +57,21 @@ int main(int argc, char** argv) {
     std::cerr << "staging_bench: " << host.status() << "\n";
     return 1;
   }
-  staging::StagingTransport staged(host->get(), device);
-  std::printf("%-10s %14s %14s %8s\n", "MiB", "staged GB/s", "copies GB/s", "ratio");
+  auto rank_staging = staging::StagingTransport::ForDevice(host->get(), device);
+  if (!rank_staging.ok()) {
+    std::cerr << "staging_bench: " << rank_staging.status() << "\n";
+    return 1;
+  }
+  staging::StagingTransport sync_staging(host->get(), device);
+  std::printf("%-8s %13s %13s %13s %13s %13s\n", "MiB", "staged GB/s", "sync GB/s", "copies GB/s", "staged/copies",
+              "staged/sync");
   uint32_t mb = 0;
   for (const auto& piece : absl::StrSplit(mib_list, ',')) {
     int mib = 0;
     if (!absl::SimpleAtoi(piece, &mib) || mib <= 0) continue;
     const at::Tensor t = at::rand({static_cast<int64_t>(mib) << 18}, at::TensorOptions().device(device));
     const double bytes = 2.0 * static_cast<double>(t.numel() * t.element_size());  // there and back
-    auto round_trip = [&]() -> bool {
+    auto round_trip = [&](Transport& staged) -> bool {
       Tag tag;
       tag.microbatch = mb++ % 4096;
       auto s = staged.Send(1, tag, t);
@@ -72,27 +81,31 @@ int main(int argc, char** argv) {
       Sync(device);
       return back.device() == device && back.numel() == t.numel();
     };
-    if (!round_trip()) {  // warm-up (registers the buffers)
+    auto time_staging = [&](Transport& staged) -> double {
+      if (!round_trip(staged)) return -1;  // warm-up (registers the buffers)
+      const double start = Now();
+      for (int i = 0; i < iters; ++i) {
+        if (!round_trip(staged)) return -1;
+      }
+      return (Now() - start) / iters;
+    };
+    const double staged_s = time_staging(**rank_staging), sync_s = time_staging(sync_staging);
+    if (staged_s < 0 || sync_s < 0) {
       std::cerr << "staging_bench: a round trip of " << mib << " MiB failed\n";
       return 1;
     }
-    double start = Now();
-    for (int i = 0; i < iters; ++i) {
-      if (!round_trip()) return 1;
-    }
-    const double staged_s = (Now() - start) / iters;
     at::Tensor pinned = at::empty_like(t, at::TensorOptions().device(c10::kCPU).pinned_memory(device.is_cuda()));
     pinned.copy_(t);
     Sync(device);
-    start = Now();
+    const double start = Now();
     for (int i = 0; i < iters; ++i) {
       pinned.copy_(t);
       at::Tensor back = pinned.to(device, /*non_blocking=*/false, /*copy=*/true);
       Sync(device);
     }
     const double copies_s = (Now() - start) / iters;
-    std::printf("%-10d %14.2f %14.2f %8.2f\n", mib, bytes / staged_s * 1e-9, bytes / copies_s * 1e-9,
-                copies_s / staged_s);
+    std::printf("%-8d %13.2f %13.2f %13.2f %13.2f %13.2f\n", mib, bytes / staged_s * 1e-9, bytes / sync_s * 1e-9,
+                bytes / copies_s * 1e-9, copies_s / staged_s, sync_s / staged_s);
   }
   Tag stop;
   stop.microbatch = mb % 4096;

@@ -149,8 +149,9 @@ absl::Status Run(const Flags& f) {
   PIPPY_ASSIGN_OR_RETURN(auto addresses,
                          Rendezvous(f.rendezvous, f.rank, f.world, ucx->address(), absl::Seconds(f.timeout_s)));
   PIPPY_RETURN_IF_ERROR(ucx->Connect(addresses));
-  transport::staging::StagingTransport staged(ucx.get(), device);  // a GPU rank's tensors cross through host memory
-  PIPPY_ASSIGN_OR_RETURN(auto rank_job, job::RankJob::Create(spec, plan, f.rank, std::move(mine), &staged,
+  // A GPU rank's tensors cross through host memory (ucx+staging).
+  PIPPY_ASSIGN_OR_RETURN(auto staged, transport::staging::StagingTransport::ForDevice(ucx.get(), device));
+  PIPPY_ASSIGN_OR_RETURN(auto rank_job, job::RankJob::Create(spec, plan, f.rank, std::move(mine), staged.get(),
                                                              absl::Seconds(f.timeout_s), nullptr, device));
   KeepFreedMemory();  // the stages are loaded: from here on, buffers are reused step after step
   for (int step = 0; step < f.steps; ++step) {

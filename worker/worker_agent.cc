@@ -663,8 +663,8 @@ class Agent {
     if (group != nullptr) PIPPY_RETURN_IF_ERROR(group->Connect(replica_peers));
     // A GPU rank's tensors cross to other ranks through host memory (ucx+staging).
     const c10::Device device(options_.device);
-    transport::staging::StagingTransport staged(ucx.get(), device);
-    PIPPY_ASSIGN_OR_RETURN(auto rank_job, job::RankJob::Create(spec, a.plan(), a.rank(), std::move(stages), &staged,
+    PIPPY_ASSIGN_OR_RETURN(auto staged, transport::staging::StagingTransport::ForDevice(ucx.get(), device));
+    PIPPY_ASSIGN_OR_RETURN(auto rank_job, job::RankJob::Create(spec, a.plan(), a.rank(), std::move(stages), staged.get(),
                                                                options_.wait_timeout, group.get(), device));
     {
       absl::MutexLock lock(&mu_);

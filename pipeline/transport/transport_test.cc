@@ -2,9 +2,13 @@
 // the process backends add their factories).
 #include <time.h>
 
+#include <atomic>
+#include <chrono>
+#include <deque>
 #include <thread>
 
 #include "ATen/ATen.h"
+#include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "pipeline/transport/loopback/loopback_transport.h"
@@ -373,6 +377,249 @@ TEST(WireFormat, HostileHeaders_RefusedBeforeAllocating) {
   EXPECT_FALSE(wire::DecodeHeader(header.data(), header.size(), counting, &got, nullptr, 1023).ok());
 }
 
+// A DeviceCopier standing in for the CUDA one on a machine without a GPU: its device is
+// `meta` (so receives go through it), its "copies" are clones of host tensors that
+// count as done when a gate the test holds opens, or else after a short delay — the
+// asynchronous path of StagingTransport (its poster thread, ordering, failures)
+// without a GPU.
+class FakeAsyncCopier : public staging::DeviceCopier {
+ public:
+  struct Gate {
+    absl::Notification opened;
+    absl::Status result;  // what the copy ends with
+    void Open(absl::Status s = absl::OkStatus()) {
+      result = std::move(s);
+      opened.Notify();
+    }
+  };
+
+  const c10::Device& device() const override { return device_; }
+
+  // The next ToHost with tensors completes when `gate` opens.
+  std::shared_ptr<Gate> HoldNext() {
+    auto g = std::make_shared<Gate>();
+    absl::MutexLock lock(&mu_);
+    gates_.push_back(g);
+    return g;
+  }
+  void FailToDevice(absl::Status s) {
+    absl::MutexLock lock(&mu_);
+    to_device_error_ = std::move(s);
+  }
+  int to_device_calls() {
+    absl::MutexLock lock(&mu_);
+    return to_device_calls_;
+  }
+
+  absl::StatusOr<Staged> ToHost(const c10::IValue& value) override {
+    bool any = false;
+    Staged staged;
+    staged.host = MapTensors(value, [&](const at::Tensor& t) {
+      any = true;
+      return t.clone();
+    });
+    if (!any) return staged;
+    std::shared_ptr<Gate> gate;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!gates_.empty()) {
+        gate = gates_.front();
+        gates_.pop_front();
+      }
+    }
+    if (gate == nullptr) {  // done after a delay of 0-2 ms
+      gate = std::make_shared<Gate>();
+      std::thread([gate, us = (++sends_ % 3) * 1000] {
+        std::this_thread::sleep_for(std::chrono::microseconds(us));
+        gate->Open();
+      }).detach();
+    }
+    staged.done = std::make_unique<Done>(gate);
+    return staged;
+  }
+
+  absl::StatusOr<c10::IValue> ToDevice(const c10::IValue& value) override {
+    absl::MutexLock lock(&mu_);
+    ++to_device_calls_;
+    if (!to_device_error_.ok()) return to_device_error_;
+    return MapTensors(value, [](const at::Tensor& t) { return t.clone(); });
+  }
+
+ private:
+  class Done : public staging::CopyDone {
+   public:
+    explicit Done(std::shared_ptr<Gate> gate) : gate_(std::move(gate)) {}
+    absl::Status Wait(absl::Duration timeout) override {
+      if (!gate_->opened.WaitForNotificationWithTimeout(timeout)) {
+        return absl::DeadlineExceededError("the fake copy did not finish");
+      }
+      return gate_->result;
+    }
+
+   private:
+    std::shared_ptr<Gate> gate_;
+  };
+
+  const c10::Device device_{c10::kMeta};
+  std::atomic<int> sends_{0};
+  absl::Mutex mu_;
+  std::deque<std::shared_ptr<Gate>> gates_ ABSL_GUARDED_BY(mu_);
+  absl::Status to_device_error_ ABSL_GUARDED_BY(mu_);
+  int to_device_calls_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// A staged transport that owns its inner one (for the suite's factories).
+struct InnerTransport {
+  std::unique_ptr<Transport> inner;
+};
+class OwningStaging : private InnerTransport, public staging::StagingTransport {
+ public:
+  OwningStaging(std::unique_ptr<Transport> t, std::unique_ptr<staging::DeviceCopier> copier)
+      : InnerTransport{std::move(t)}, StagingTransport(inner.get(), std::move(copier)) {}
+  Transport* host() { return inner.get(); }
+};
+
+std::vector<std::unique_ptr<Transport>> Staged(std::vector<std::unique_ptr<Transport>> inner) {
+  std::vector<std::unique_ptr<Transport>> out;
+  for (auto& t : inner) out.push_back(std::make_unique<OwningStaging>(std::move(t), std::make_unique<FakeAsyncCopier>()));
+  return out;
+}
+
+// Sends wait for their copies, and are posted in the order they were made.
+TEST(StagingTransport, AsyncCopies_PostedOnlyOnceCopied_InSendOrder) {
+  auto group = loopback::Create(2);
+  auto copier = std::make_unique<FakeAsyncCopier>();
+  FakeAsyncCopier* fake = copier.get();
+  staging::StagingTransport sender(group[0].get(), std::move(copier));
+  staging::StagingTransport receiver(group[1].get(), std::make_unique<FakeAsyncCopier>());
+  auto g1 = fake->HoldNext(), g2 = fake->HoldNext();
+  const at::Tensor x1 = at::randn({4, 5}), x2 = at::randn({7});
+  auto s1 = sender.Send(1, T(0), x1);
+  auto s2 = sender.Send(1, T(0), x2);  // the same tag: must arrive second
+  auto s3 = sender.Send(1, T(1), c10::IValue(int64_t{5}));  // no tensors, but queued behind them
+  auto r1 = receiver.Recv(0, T(0));
+  g2->Open();
+  EXPECT_EQ(r1->Wait(absl::Milliseconds(150)).code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_FALSE(s1->IsCompleted());
+  EXPECT_FALSE(s2->IsCompleted());
+  EXPECT_EQ(s2->Wait(absl::Milliseconds(10)).code(), absl::StatusCode::kDeadlineExceeded);
+  g1->Open();
+  ASSERT_TRUE(r1->Wait(absl::Seconds(10)).ok());
+  auto r2 = receiver.Recv(0, T(0));
+  auto r3 = receiver.Recv(0, T(1));
+  ASSERT_TRUE(r2->Wait(absl::Seconds(10)).ok());
+  ASSERT_TRUE(r3->Wait(absl::Seconds(10)).ok());
+  EXPECT_TRUE(r1->Value().toTensor().equal(x1));
+  EXPECT_TRUE(r2->Value().toTensor().equal(x2));
+  EXPECT_EQ(r3->Value().toInt(), 5);
+  for (auto& s : {s1, s2, s3}) EXPECT_TRUE(s->Wait(absl::Seconds(10)).ok());
+  // With nothing ahead of it, a value without tensors goes too.
+  auto r4 = receiver.Recv(0, T(2));
+  auto s4 = sender.Send(1, T(2), c10::IValue(2.5));
+  EXPECT_TRUE(r4->Wait(absl::Seconds(10)).ok());
+  EXPECT_TRUE(s4->Wait(absl::Seconds(10)).ok());
+  EXPECT_EQ(r4->Value().toDouble(), 2.5);
+}
+
+TEST(StagingTransport, FailedOrCancelledCopies_NeverPosted_ErrorsNameTheSend) {
+  auto group = loopback::Create(2);
+  auto copier = std::make_unique<FakeAsyncCopier>();
+  FakeAsyncCopier* fake = copier.get();
+  staging::StagingTransport sender(group[0].get(), std::move(copier));
+  auto failing = fake->HoldNext(), cancelled = fake->HoldNext();
+  auto s1 = sender.Send(1, T(0), at::ones({3}));
+  auto s2 = sender.Send(1, T(1), at::ones({3}));
+  s2->Cancel();
+  failing->Open(absl::UnavailableError("cuda:0: copy to host: an illegal memory access was encountered"));
+  cancelled->Open();
+  absl::Status e1 = s1->Wait(absl::Seconds(10));
+  EXPECT_EQ(e1.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(e1.message(), HasSubstr("illegal memory access"));
+  EXPECT_THAT(e1.message(), HasSubstr(T(0).ToString()));
+  EXPECT_EQ(s2->Wait(absl::Seconds(10)).code(), absl::StatusCode::kCancelled);
+  for (uint32_t mb : {0u, 1u}) {
+    auto r = group[1]->Recv(0, T(mb));
+    EXPECT_EQ(r->Wait(absl::Milliseconds(100)).code(), absl::StatusCode::kDeadlineExceeded) << "mb " << mb;
+    r->Cancel();
+  }
+}
+
+TEST(StagingTransport, ClosedWithSendsUnposted_TheyFail_NoHang) {
+  auto group = loopback::Create(2);
+  auto copier = std::make_unique<FakeAsyncCopier>();
+  FakeAsyncCopier* fake = copier.get();
+  auto sender = std::make_unique<staging::StagingTransport>(group[0].get(), std::move(copier), absl::Milliseconds(300));
+  auto g1 = fake->HoldNext(), g2 = fake->HoldNext();  // never opened: a copy that hangs
+  auto s1 = sender->Send(1, T(0), at::ones({3}));
+  auto s2 = sender->Send(1, T(1), at::ones({3}));
+  absl::SleepFor(absl::Milliseconds(50));  // the poster thread takes s1 and waits for its copy
+  const absl::Time start = absl::Now();
+  sender.reset();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  absl::Status e1 = s1->Wait(absl::Seconds(1)), e2 = s2->Wait(absl::Seconds(1));
+  // The copy the thread held timed out (or, on a busy machine, the thread had not taken it yet).
+  EXPECT_THAT(e1.code(), testing::AnyOf(absl::StatusCode::kDeadlineExceeded, absl::StatusCode::kCancelled)) << e1;
+  EXPECT_EQ(e2.code(), absl::StatusCode::kCancelled) << e2;
+  EXPECT_THAT(e2.message(), HasSubstr("closed"));
+}
+
+TEST(StagingTransport, ReceiveCopyFails_WaitSaysSo) {
+  auto group = loopback::Create(2);
+  auto copier = std::make_unique<FakeAsyncCopier>();
+  FakeAsyncCopier* fake = copier.get();
+  staging::StagingTransport receiver(group[1].get(), std::move(copier));
+  fake->FailToDevice(absl::UnavailableError("cuda:0: out of memory"));
+  auto s = group[0]->Send(1, T(0), at::ones({2}));
+  auto r = receiver.Recv(0, T(0));
+  absl::Status e = r->Wait(absl::Seconds(10));
+  EXPECT_EQ(e.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(e.message(), HasSubstr("out of memory"));
+  EXPECT_EQ(fake->to_device_calls(), 1);
+}
+
+// The CUDA copier for real (scripts/gpu-check runs this on a GPU machine): tensors a
+// kernel is still writing are sent with no synchronization by the caller, arrive on
+// the GPU, and are used there at once — the copy stream's ordering against the
+// compute stream, in both directions.
+std::string NoGpu() {
+  const int n = nccl::VisibleDevices();
+  return n >= 1 ? std::string() : "no GPU visible (scripts/gpu-check runs this on a GPU machine)";
+}
+
+std::vector<std::unique_ptr<Transport>> CudaStaged(std::vector<std::unique_ptr<Transport>> inner) {
+  std::vector<std::unique_ptr<Transport>> out;
+  for (auto& t : inner) {
+    auto copier = staging::NewCudaCopier(0);
+    EXPECT_TRUE(copier.ok()) << copier.status();
+    if (!copier.ok()) return {};
+    out.push_back(std::make_unique<OwningStaging>(std::move(t), std::move(*copier)));
+  }
+  return out;
+}
+
+TEST(StagingTransport, CudaCopier_OrderedAgainstCompute_BothWays) {
+  const std::string why = NoGpu();
+  if (!why.empty()) GTEST_SKIP() << why;
+  auto group = CudaStaged(loopback::Create(2));
+  ASSERT_EQ(group.size(), 2u);
+  const c10::Device gpu(c10::kCUDA, 0);
+  for (int round = 0; round < 20; ++round) {
+    const at::Tensor x = at::randn({1024, 1024}, at::TensorOptions().device(gpu));
+    const at::Tensor y = x.matmul(x).mul_(2);  // still running when the send is made
+    const at::Tensor half = y.t().to(at::kBFloat16);  // a non-contiguous source, another dtype
+    auto s = group[0]->Send(1, T(round), c10::ivalue::Tuple::create({y, half, c10::IValue(int64_t{round})}));
+    auto r = group[1]->Recv(0, T(round));
+    ASSERT_TRUE(r->Wait(absl::Seconds(30)).ok());
+    const auto& e = r->Value().toTupleRef().elements();
+    const at::Tensor got = e[0].toTensor().mul(1);  // used on the compute stream at once
+    ASSERT_TRUE(s->Wait(absl::Seconds(30)).ok());
+    EXPECT_EQ(e[0].toTensor().device(), gpu);
+    EXPECT_TRUE(got.cpu().equal(y.cpu())) << "round " << round;
+    EXPECT_TRUE(e[1].toTensor().cpu().equal(half.cpu())) << "round " << round;
+    EXPECT_EQ(e[2].toInt(), round);
+  }
+}
+
 std::vector<std::unique_ptr<Transport>> Ucx(int n, const char* tls) {
   auto g = ucx::CreateLocalGroup(n, ucx::LocalOptions(tls));
   EXPECT_TRUE(g.ok()) << g.status();
@@ -464,6 +711,15 @@ INSTANTIATE_TEST_SUITE_P(
         Backend{"loopback", loopback::Create,
                 [](std::vector<std::unique_ptr<Transport>>& g, int r) { loopback::KillRank(g[1 - r].get(), r); }},
         Backend{"ucx_shm", [](int n) { return Ucx(n, "sm,self"); }, nullptr},
+        // ucx+staging's asynchronous path (FakeAsyncCopier) over both host transports.
+        Backend{"staged_loopback", [](int n) { return Staged(loopback::Create(n)); },
+                [](std::vector<std::unique_ptr<Transport>>& g, int r) {
+                  loopback::KillRank(static_cast<OwningStaging*>(g[1 - r].get())->host(), r);
+                }},
+        Backend{"staged_ucx_tcp", [](int n) { return Staged(Ucx(n, "tcp,self")); },
+                [](std::vector<std::unique_ptr<Transport>>& g, int r) { g[r].reset(); }},
+        // The CUDA copier (received values copied onto cuda:0) where a GPU is visible.
+        Backend{"staged_cuda", [](int n) { return CudaStaged(Ucx(n, "sm,self")); }, nullptr, NoGpu},
         Backend{"ucx_tcp", [](int n) { return Ucx(n, "tcp,self"); },
                 [](std::vector<std::unique_ptr<Transport>>& g, int r) { g[r].reset(); }},
         Backend{"nccl", Nccl, [](std::vector<std::unique_ptr<Transport>>& g, int r) { g[r].reset(); },
