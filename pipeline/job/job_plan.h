@@ -76,7 +76,10 @@ struct EdgeTransport {
 
 // Whether the workers run NCCL between a job's GPU ranks. Not yet: the NCCL backend
 // (transport/nccl) is built and tested on its own, but workers do not build a job's
-// communicator, so every GPU edge is "ucx+staging" for now.
+// communicator, so every GPU edge is "ucx+staging" for now. Before they can, the
+// backend must stop running its batches one after another (see nccl_transport.h:
+// a pipeline rank's interleaved sends and receives can deadlock across batches), and
+// checking it needs two GPUs.
 inline constexpr bool kJobsUseNccl = false;
 
 // Every edge (producer stage -> consumer stage) whose stages are on different ranks,

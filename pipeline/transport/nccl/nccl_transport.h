@@ -16,6 +16,16 @@
 // (compute) stream before a send, and the compute stream waits on the receive's event
 // before the received tensor is used.
 //
+// Limit: batches run one after another, each to completion. An operation posted while
+// a batch is in flight waits for it, so two ranks whose pending operations each wait
+// for one queued behind the other's batch deadlock (until abort_after): e.g. 1F1B,
+// where rank 0's "send activation 1" is in flight while its "receive gradient 0" is
+// queued, and rank 1's "send gradient 0" is in flight while its "receive activation 1"
+// is queued. The shared suite posts in patterns that do not hit this; pipeline jobs
+// would (job::kJobsUseNccl is false). A fix must keep an operation from waiting behind
+// one it does not depend on — e.g. the runtime handing over each schedule action's
+// sends and receives as one group, as PiPPy does with batch_isend_irecv.
+//
 // Failure: NCCL cannot time out a transfer by itself; an operation pending past
 // Options::abort_after aborts the communicator (ncclCommAbort) and fails every pending
 // operation with UNAVAILABLE — a dead peer never hangs the survivor.

@@ -113,29 +113,19 @@ class CudaCopier : public DeviceCopier {
     }
     if (copies.empty()) return staged;
     DeviceScope scope(index_);
-    PIPPY_RETURN_IF_ERROR(WaitForCompute());
+    PIPPY_ASSIGN_OR_RETURN(cudaEvent_t done, CopyAll(copies, cudaMemcpyDeviceToHost));
     std::vector<at::Tensor> keep;
     for (auto& [src, dst] : copies) {
-      const size_t bytes = static_cast<size_t>(src.numel()) * src.element_size();
-      if (bytes > 0) {
-        PIPPY_RETURN_IF_ERROR(Settle(cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), bytes, cudaMemcpyDeviceToHost, stream_),
-                                     "cudaMemcpyAsync (device to host)"));
-      }
       keep.push_back(std::move(src));
       keep.push_back(std::move(dst));
     }
-    cudaEvent_t done = nullptr;
-    PIPPY_RETURN_IF_ERROR(Cuda(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), index_, "cudaEventCreate"));
-    const absl::Status recorded = Cuda(cudaEventRecord(done, stream_), index_, "cudaEventRecord");
     staged.done = std::make_unique<CudaDone>(index_, done, std::move(keep));
-    if (!recorded.ok()) return recorded;
     return staged;
   }
 
   absl::StatusOr<c10::IValue> ToDevice(const c10::IValue& value) override {
     Reclaim();
-    std::vector<at::Tensor> keep;  // pinned sources, then device destinations
-    std::vector<std::pair<at::Tensor, at::Tensor>> copies;
+    std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (pinned host source, device destination)
     c10::IValue out;
     try {
       out = MapTensors(value, [&](const at::Tensor& t) {
@@ -152,23 +142,14 @@ class CudaCopier : public DeviceCopier {
     }
     if (copies.empty()) return out;
     DeviceScope scope(index_);
-    PIPPY_RETURN_IF_ERROR(WaitForCompute());
-    for (auto& [pinned, dst] : copies) {
-      const size_t bytes = static_cast<size_t>(pinned.numel()) * pinned.element_size();
-      if (bytes > 0) {
-        PIPPY_RETURN_IF_ERROR(Settle(cudaMemcpyAsync(dst.data_ptr(), pinned.data_ptr(), bytes, cudaMemcpyHostToDevice, stream_),
-                                     "cudaMemcpyAsync (host to device)"));
-      }
-      keep.push_back(std::move(pinned));
-    }
-    cudaEvent_t done = nullptr;
-    PIPPY_RETURN_IF_ERROR(Cuda(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), index_, "cudaEventCreate"));
-    absl::Status s = Cuda(cudaEventRecord(done, stream_), index_, "cudaEventRecord");
+    PIPPY_ASSIGN_OR_RETURN(cudaEvent_t done, CopyAll(copies, cudaMemcpyHostToDevice));
     // Compute queued from here on runs after the copies.
-    if (s.ok()) s = Cuda(cudaStreamWaitEvent(nullptr, done, 0), index_, "cudaStreamWaitEvent");
+    const absl::Status s = Cuda(cudaStreamWaitEvent(nullptr, done, 0), index_, "cudaStreamWaitEvent");
+    std::vector<at::Tensor> keep;  // the pinned sources, until the copies are done
+    for (auto& [pinned, dst] : copies) keep.push_back(std::move(pinned));
     {
       absl::MutexLock lock(&mu_);
-      in_flight_.push_back({done, std::move(keep)});  // the pinned sources live until the copies are done
+      in_flight_.push_back({done, std::move(keep)});
     }
     if (!s.ok()) return s;
     return out;
@@ -190,12 +171,31 @@ class CudaCopier : public DeviceCopier {
     return s;
   }
 
-  // A failed copy's error, after the copies queued before it have finished (their
-  // buffers are freed when the caller returns the error).
-  absl::Status Settle(cudaError_t e, const char* what) {
-    if (e == cudaSuccess) return absl::OkStatus();
-    cudaStreamSynchronize(stream_);
-    return Cuda(e, index_, what);
+  // Queues (source, destination) copies on the copy stream after the compute queued so
+  // far; returns an event recorded after them. On an error the copies already queued
+  // have finished when it returns (the caller then frees their buffers).
+  absl::StatusOr<cudaEvent_t> CopyAll(const std::vector<std::pair<at::Tensor, at::Tensor>>& copies, cudaMemcpyKind kind) {
+    PIPPY_RETURN_IF_ERROR(WaitForCompute());
+    absl::Status s;
+    for (size_t i = 0; s.ok() && i < copies.size(); ++i) {
+      const at::Tensor& src = copies[i].first;
+      const size_t bytes = static_cast<size_t>(src.numel()) * src.element_size();
+      if (bytes > 0) {
+        s = Cuda(cudaMemcpyAsync(copies[i].second.data_ptr(), src.data_ptr(), bytes, kind, stream_), index_,
+                 kind == cudaMemcpyDeviceToHost ? "cudaMemcpyAsync (device to host)" : "cudaMemcpyAsync (host to device)");
+      }
+    }
+    cudaEvent_t done = nullptr;
+    if (s.ok()) s = Cuda(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), index_, "cudaEventCreate");
+    if (s.ok()) {
+      s = Cuda(cudaEventRecord(done, stream_), index_, "cudaEventRecord");
+      if (!s.ok()) cudaEventDestroy(done);
+    }
+    if (!s.ok()) {
+      cudaStreamSynchronize(stream_);
+      return s;
+    }
+    return done;
   }
 
   // Lets go of the pinned sources of host-to-device copies that have finished.
