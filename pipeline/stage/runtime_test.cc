@@ -7,7 +7,13 @@
 // micro-batches (what a pipeline computes; required for BatchNorm, whose statistics
 // are per micro-batch), and (b) the unsplit model on the full batch at once (models
 // without batch-coupled layers).
+//
+// Each run also records the tags every rank posts: both ends of every channel (one
+// kind of message between one pair of stages) must post its messages in one order,
+// which a transport that matches by order (NCCL) relies on.
+#include <map>
 #include <set>
+#include <tuple>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -78,10 +84,76 @@ struct PipelineRun {
   schedule::Schedule schedule;
   std::vector<std::vector<StepResult>> results;  // [rank][step]
   std::vector<absl::Status> errors;
+  // Directions whose two ends posted their messages in different orders: over all
+  // messages, and within a channel (one kind between one pair of stages).
+  std::vector<std::string> pair_order_mismatches, channel_order_mismatches;
 };
 
 constexpr int kMicrobatches = 4;
 constexpr int kSteps = 3;
+
+// Records the tags a rank posts, per peer: sends and receives in posting order. A
+// transport that matches messages by order rather than by tag (NCCL) needs the
+// sender's sends and the receiver's receives in the same order on each channel it
+// matches on.
+class RecordingTransport : public transport::Transport {
+ public:
+  explicit RecordingTransport(transport::Transport* inner) : inner_(inner) {}
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  std::shared_ptr<transport::Work> Send(int peer, const transport::Tag& tag, c10::IValue value) override {
+    {
+      absl::MutexLock lock(&mu_);
+      sends_[peer].push_back(tag);
+    }
+    return inner_->Send(peer, tag, std::move(value));
+  }
+  std::shared_ptr<transport::Work> Recv(int peer, const transport::Tag& tag) override {
+    {
+      absl::MutexLock lock(&mu_);
+      recvs_[peer].push_back(tag);
+    }
+    return inner_->Recv(peer, tag);
+  }
+  std::vector<transport::Tag> SendsTo(int peer) {
+    absl::MutexLock lock(&mu_);
+    return sends_[peer];
+  }
+  std::vector<transport::Tag> RecvsFrom(int peer) {
+    absl::MutexLock lock(&mu_);
+    return recvs_[peer];
+  }
+
+ private:
+  transport::Transport* const inner_;
+  absl::Mutex mu_;
+  std::map<int, std::vector<transport::Tag>> sends_ ABSL_GUARDED_BY(mu_);
+  std::map<int, std::vector<transport::Tag>> recvs_ ABSL_GUARDED_BY(mu_);
+};
+
+// The first place where rank `from`'s sends to `to` and `to`'s receives from `from`
+// are posted in different orders ("" when they agree), over all their messages
+// (`per_channel` false) or within each channel: one kind of message between one pair
+// of stages (kind, source and destination stage, output index).
+std::string OrderMismatch(std::vector<std::unique_ptr<RecordingTransport>>& ranks, int from, int to, bool per_channel) {
+  auto channel = [&](const transport::Tag& t) {
+    return per_channel ? std::make_tuple(static_cast<int>(t.kind), t.src_stage, t.dst_stage, t.index)
+                       : std::make_tuple(0, 0u, 0u, 0u);
+  };
+  std::map<std::tuple<int, uint32_t, uint32_t, uint32_t>, std::pair<std::vector<std::string>, std::vector<std::string>>>
+      channels;
+  for (const transport::Tag& t : ranks[from]->SendsTo(to)) channels[channel(t)].first.push_back(t.ToString());
+  for (const transport::Tag& t : ranks[to]->RecvsFrom(from)) channels[channel(t)].second.push_back(t.ToString());
+  for (const auto& entry : channels) {
+    const std::vector<std::string>& sent = entry.second.first;
+    const std::vector<std::string>& received = entry.second.second;
+    for (size_t i = 0; i < std::max(sent.size(), received.size()); ++i) {
+      const std::string a = i < sent.size() ? sent[i] : "(nothing)", b = i < received.size() ? received[i] : "(nothing)";
+      if (a != b) return absl::StrCat("rank ", from, " -> ", to, " message #", i, ": sent ", a, ", received as ", b);
+    }
+  }
+  return "";
+}
 
 // Trains the pipeline; inputs/targets: the zoo example batch.
 void RunPipeline(const Case& c, const std::vector<c10::IValue>& inputs, const c10::IValue& target, PipelineRun* run,
@@ -93,7 +165,9 @@ void RunPipeline(const Case& c, const std::vector<c10::IValue>& inputs, const c1
   auto pipe = partition::SplitModel(*model, so);
   ASSERT_TRUE(pipe.ok()) << pipe.status();
   run->pipe = std::move(*pipe);
-  auto transports = transport::loopback::Create(c.ranks);
+  auto loopback = transport::loopback::Create(c.ranks);
+  std::vector<std::unique_ptr<RecordingTransport>> transports;
+  for (auto& t : loopback) transports.push_back(std::make_unique<RecordingTransport>(t.get()));
   // Generated schedules: the job's spec and job::RankJob, exactly as a worker sets up
   // its rank; every step trains on the whole example batch.
   JobSpec spec;
@@ -162,7 +236,7 @@ void RunPipeline(const Case& c, const std::vector<c10::IValue>& inputs, const c1
         }
         if (!res.ok()) {
           run->errors[r] = res.status();
-          transport::loopback::KillRank(transports[r].get(), r);  // unblock the others
+          transport::loopback::KillRank(loopback[r].get(), r);  // unblock the others
           return;
         }
         run->results[r].push_back(*res);
@@ -170,6 +244,15 @@ void RunPipeline(const Case& c, const std::vector<c10::IValue>& inputs, const c1
     });
   }
   for (auto& t : threads) t.join();
+  for (int from = 0; from < c.ranks; ++from) {
+    for (int to = 0; to < c.ranks; ++to) {
+      if (from == to) continue;
+      std::string mismatch = OrderMismatch(transports, from, to, /*per_channel=*/false);
+      if (!mismatch.empty()) run->pair_order_mismatches.push_back(mismatch);
+      mismatch = OrderMismatch(transports, from, to, /*per_channel=*/true);
+      if (!mismatch.empty()) run->channel_order_mismatches.push_back(mismatch);
+    }
+  }
 }
 
 std::vector<double> TrainReference(torch::jit::Module& ref, const Case& c, const std::vector<c10::IValue>& inputs,
@@ -226,6 +309,12 @@ TEST_P(PipelineTrainingTest, ThreeSteps_MatchUnsplitTraining) {
   PipelineRun run;
   RunPipeline(c, *inputs, *target, &run);
   for (int r = 0; r < c.ranks; ++r) ASSERT_TRUE(run.errors[r].ok()) << "rank " << r << ": " << run.errors[r];
+  std::cout << "[ figure   ] posting order: " << run.pair_order_mismatches.size()
+            << " direction(s) whose two ends post in different orders"
+            << (run.pair_order_mismatches.empty() ? "" : " (first: " + run.pair_order_mismatches[0] + ")")
+            << "; per channel: " << run.channel_order_mismatches.size() << "\n";
+  EXPECT_THAT(run.channel_order_mismatches, ::testing::IsEmpty())
+      << "both ends of a channel must post its messages in one order (a transport matching by order relies on it)";
 
   auto ref = partition::LoadModel(Zoo(c.model.name + ".pt"));
   std::vector<double> ref_losses = TrainReference(*ref, c, *inputs, *target, /*microbatched=*/true);

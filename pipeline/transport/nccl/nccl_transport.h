@@ -24,7 +24,12 @@
 // is queued. The shared suite posts in patterns that do not hit this; pipeline jobs
 // would (job::kJobsUseNccl is false). A fix must keep an operation from waiting behind
 // one it does not depend on — e.g. the runtime handing over each schedule action's
-// sends and receives as one group, as PiPPy does with batch_isend_irecv.
+// sends and receives as one group, as PiPPy does with batch_isend_irecv. And order
+// matching must be per channel (one kind of message between one pair of stages), not
+// per pair of ranks: the runtime posts each channel's messages in one order at both
+// ends (runtime_test checks it for every schedule), but with several stages per rank
+// a pair of ranks' activations and gradients interleave differently at the two ends
+// (25 of runtime_test's 72 training cases).
 //
 // Failure: NCCL cannot time out a transfer by itself; an operation pending past
 // Options::abort_after aborts the communicator (ncclCommAbort) and fails every pending
