@@ -53,6 +53,12 @@ PY
 
 COMMON=(--data "$TMP/gpt.data.pt" --microbatches 8 --batch-size 8 --steps 5 --loss model --optimizer adamw
         --lr 0.001 --weight-decay 0.01)
+# The unsplit GPT trained by PyTorch as a COMMON job trains it, against TRAINED.pt
+# (check_training.py; more of its flags after).
+check_common() {  # TRAINED.pt [FLAGS...]
+  /usr/bin/python3 "$CHECK" "$ZOO/gpt.pt" "$TMP/gpt.data.pt" "$1" --steps 5 --batch-size 8 --microbatches 8 \
+    --loss model --optimizer adamw --lr 0.001 --weight-decay 0.01 --tolerance 1e-4 "${@:2}"
+}
 # Runs `submit ... --wait` (output to $TMP/NAME.out, errors to $TMP/NAME.err), then
 # prints the job id; fails unless the job SUCCEEDED. (Never `--wait | head -1`: head
 # would close the pipe and end pippyctl before the job does.)
@@ -71,8 +77,7 @@ train_and_check() {  # NAME ARGS...
   local job
   job=$(head -1 "$TMP/$name.out")
   ctl fetch "$job" -o "$TMP/$name.pt" > /dev/null || { bad "$name: fetch"; return; }
-  if /usr/bin/python3 "$CHECK" "$ZOO/gpt.pt" "$TMP/gpt.data.pt" "$TMP/$name.pt" --steps 5 --batch-size 8 \
-       --microbatches 8 --loss model --optimizer adamw --lr 0.001 --weight-decay 0.01 --tolerance 1e-4; then
+  if check_common "$TMP/$name.pt"; then
     ok "$name"
   else
     bad "$name"
@@ -89,15 +94,12 @@ train_and_check gpt_interleaved_8stages_2perworker --stages 8 --schedule interle
 if job=$(submit_wait gpt_bf16 "$ZOO/gpt.pt" "${COMMON[@]}" --stages 2 --schedule 1f1b --dtype bf16) &&
    ctl fetch "$job" -o "$TMP/bf16.pt" > /dev/null && ctl status "$job" --output json > "$TMP/bf16.json" &&
    /usr/bin/python3 -c "import json,sys; assert json.load(open(sys.argv[1]))['spec']['precision'] == 'PRECISION_BF16'" "$TMP/bf16.json" &&
-   /usr/bin/python3 "$CHECK" "$ZOO/gpt.pt" "$TMP/gpt.data.pt" "$TMP/bf16.pt" --steps 5 --batch-size 8 \
-     --microbatches 8 --loss model --optimizer adamw --lr 0.001 --weight-decay 0.01 --dtype bf16 \
-     --losses "$TMP/bf16.json" --loss-tolerance 0.01 --tolerance 1e-4; then
+   check_common "$TMP/bf16.pt" --dtype bf16 --losses "$TMP/bf16.json" --loss-tolerance 0.01; then
   ok "gpt_bf16_1f1b_2stages (loss curve and parameters vs PyTorch autocast)"
 else
   bad "gpt_bf16_1f1b_2stages"
 fi
-if /usr/bin/python3 "$CHECK" "$ZOO/gpt.pt" "$TMP/gpt.data.pt" "$TMP/bf16.pt" --steps 5 --batch-size 8 \
-     --microbatches 8 --loss model --optimizer adamw --lr 0.001 --weight-decay 0.01 --tolerance 1e-4 > "$TMP/bf16_vs_fp32.out"; then
+if check_common "$TMP/bf16.pt" > "$TMP/bf16_vs_fp32.out"; then
   bad "a bf16 job trained the same parameters as fp32: autocast did not act"; cat "$TMP/bf16_vs_fp32.out"
 else
   ok "bf16 differs from fp32 ($(tail -1 "$TMP/bf16_vs_fp32.out" | grep -o 'max relative difference [^ ]*'))"
