@@ -88,7 +88,8 @@ class CudaCopier : public DeviceCopier {
     int n = 0;
     PIPPY_RETURN_IF_ERROR(Cuda(cudaGetDeviceCount(&n), index_, "cudaGetDeviceCount"));
     if (index_ < 0 || index_ >= n) {
-      return absl::UnavailableError(absl::StrCat("cuda:", index_, ": no such device (", n, " visible)"));
+      return absl::UnavailableError(absl::StrCat("cuda:", index_, ": no such device (", n,
+                                                    " visible; check --device and CUDA_VISIBLE_DEVICES)"));
     }
     DeviceScope scope(index_);
     return Cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), index_, "cudaStreamCreateWithFlags");
