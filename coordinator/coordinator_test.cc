@@ -325,7 +325,9 @@ TEST_F(CoordinatorTest, ThreeStageJob_EachWorkerIsSentOnlyItsStageAndItsShareOfT
     std::set<std::string> names;
     for (const auto& p : module->named_parameters(true)) names.insert(p.name);
     for (const ParameterInfo& pi : job.plan().stages(stage).parameters()) {
-      if (!pi.is_buffer()) EXPECT_TRUE(names.count(pi.name())) << pi.name();
+      if (!pi.is_buffer()) {
+        EXPECT_TRUE(names.count(pi.name())) << pi.name();
+      }
     }
     // Its slice of the plan: other stages' parameter lists are left out.
     for (const StagePlan& sp : a.plan().stages()) {
@@ -389,7 +391,9 @@ TEST_F(CoordinatorTest, GpuWorkers_PlacementByDeviceMemory) {
   // ListWorkers shows each GPU's name and the memory it registered.
   for (const WorkerInfo& w : coordinator_->ListWorkers()) {
     EXPECT_EQ(w.device_name(), w.device() == "cpu" ? "" : "Fake GPU") << w.name();
-    if (w.device() == "cuda:1") EXPECT_EQ(w.free_memory(), 1000);
+    if (w.device() == "cuda:1") {
+      EXPECT_EQ(w.free_memory(), 1000);
+    }
   }
   EXPECT_TRUE(coordinator_->CancelJob(*id).ok());
 }

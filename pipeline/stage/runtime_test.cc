@@ -653,8 +653,11 @@ TEST_F(RuntimeBehaviourTest, PeakLiveActivations_1F1BBoundedByRanks_GPipeHoldsAl
     }
     for (auto& t : threads) t.join();
     for (int r = 0; r < p; ++r) {
-      if (kind == ScheduleKind::kGPipe) EXPECT_EQ(peak[r], m);
-      else EXPECT_EQ(peak[r], p - r) << "1F1B rank " << r;
+      if (kind == ScheduleKind::kGPipe) {
+        EXPECT_EQ(peak[r], m);
+      } else {
+        EXPECT_EQ(peak[r], p - r) << "1F1B rank " << r;
+      }
     }
     std::cout << "[ figure   ] " << schedule::ScheduleKindName(kind) << " m=8 p=4 peak live activations per rank:";
     for (int x : peak) std::cout << " " << x;

@@ -672,7 +672,9 @@ TEST(UcxTransport, EarlyArrivals_LeaveNothingInFlight) {
         ASSERT_TRUE(r->Wait(absl::Seconds(10)).ok()) << tls << " " << sizes[i];
         at::Tensor got = r->Value().toTensor();
         ASSERT_EQ(got.numel(), sizes[i] / 4);
-        if (got.numel() > 0) EXPECT_EQ(got[got.numel() - 1].item<float>(), static_cast<float>(i));
+        if (got.numel() > 0) {
+          EXPECT_EQ(got[got.numel() - 1].item<float>(), static_cast<float>(i));
+        }
       }
     }
     for (auto& s : sends) ASSERT_TRUE(s->Wait(absl::Seconds(10)).ok()) << tls;

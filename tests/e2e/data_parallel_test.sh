@@ -32,7 +32,6 @@ start_worker() {
   pids+=($!)
   worker_pid[$name]=$!
 }
-wait_idle() { for _ in $(seq 150); do [ "$(idle_workers)" = "$1" ] && return 0; sleep 0.1; done; return 1; }
 json_get() { ctl status "$1" --output json | /usr/bin/python3 -c "import json,sys; j=json.load(sys.stdin); print($2)"; }
 for _ in 0 1 2 3; do start_worker; done
 wait_idle 4 && ok "4 workers registered" || bad "4 workers registered"

@@ -30,8 +30,7 @@ for i in 0 1 2 3; do
   pids+=($!)
   worker_pid[w$i]=$!
 done
-for _ in $(seq 100); do [ "$(idle_workers)" = 4 ] && break; sleep 0.1; done
-[ "$(idle_workers)" = 4 ] && ok "4 workers registered" || bad "4 workers registered"
+wait_idle 4 && ok "4 workers registered" || bad "4 workers registered"
 # grpc.health.v1: the coordinator, and worker w0 on its --health-port.
 if ctl health > "$TMP/health.out" && "$PIPPYCTL" health "127.0.0.1:$HEALTH_PORT" --service pippy.Worker >> "$TMP/health.out"; then
   ok "health: $(tr '\n' ' ' < "$TMP/health.out")"

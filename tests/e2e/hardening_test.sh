@@ -182,6 +182,7 @@ for i in 0 1; do
   "$WORKER" --coordinator "$ADDR" --name "w$i" --ucx-tls sm,self > "$TMP/w$i.log" 2>&1 &
   pids+=($!)
 done
+wait_idle 2 || bad "the 2 workers registered: $(idle_workers) idle"
 if ctl submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" "${SPEC[@]}" --wait > "$TMP/job.out" 2> "$TMP/job.err"; then
   ok "a normal job then trains: $(head -1 "$TMP/job.out")"
 else

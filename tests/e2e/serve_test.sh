@@ -30,7 +30,6 @@ for i in 0 1 2 3; do
   pids+=($!)
   worker_pid[w$i]=$!
 done
-wait_idle() { for _ in $(seq 150); do [ "$(idle_workers)" = "$1" ] && return 0; sleep 0.1; done; return 1; }
 json_get() { ctl status "$1" --output json | /usr/bin/python3 -c "import json,sys; j=json.load(sys.stdin); print($2)"; }
 wait_idle 4 && ok "4 workers registered" || bad "4 workers registered"
 devices=$(ctl workers --output json | /usr/bin/python3 -c "import json,sys; print(sorted(w['device'] for w in json.load(sys.stdin)['workers']))")

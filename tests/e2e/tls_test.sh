@@ -27,8 +27,7 @@ for i in 0 1; do
     --tls-key "$C/client.key" > "$TMP/w$i.log" 2>&1 &
   pids+=($!)
 done
-for _ in $(seq 150); do [ "$(idle_workers)" = 2 ] && break; sleep 0.1; done
-[ "$(idle_workers)" = 2 ] && ok "2 workers with client certificates registered over mTLS" || bad "workers over mTLS: $(idle_workers)"
+wait_idle 2 && ok "2 workers with client certificates registered over mTLS" || bad "workers over mTLS: $(idle_workers)"
 
 # A worker without a client certificate: refused, says why, exits.
 timeout 30 "$WORKER" --coordinator "$ADDR" --name nocert --tls-ca "$C/ca.pem" > "$TMP/nocert.log" 2>&1
