@@ -33,6 +33,7 @@
 #include "pipeline/job/rank_job.h"
 #include "pipeline/partition/model_io.h"
 #include "pipeline/stage/data_source.h"
+#include "pipeline/transport/staging/device_copier.h"
 #include "pipeline/transport/staging/staging_transport.h"
 #include "pipeline/transport/ucx/ucx_transport.h"
 #include "worker/process_device.h"
@@ -145,6 +146,7 @@ absl::Status Run(const Flags& f) {
   transport::ucx::Options uo;
   uo.ucx_config = {{"TLS", f.tls}};
   if (f.tls.find("tcp") != std::string::npos) uo.ucx_config.push_back({"NET_DEVICES", "lo"});
+  uo.receive_buffer = transport::staging::ReceiveBuffersFor(device);
   PIPPY_ASSIGN_OR_RETURN(auto ucx, transport::ucx::UcxTransport::Create(f.rank, f.world, uo));
   PIPPY_ASSIGN_OR_RETURN(auto addresses,
                          Rendezvous(f.rendezvous, f.rank, f.world, ucx->address(), absl::Seconds(f.timeout_s)));

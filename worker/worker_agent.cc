@@ -31,6 +31,7 @@
 #include "pipeline/stage/microbatch.h"
 #include "pipeline/transport/gloo/gloo_group.h"
 #include "pipeline/transport/nccl/nccl_transport.h"
+#include "pipeline/transport/staging/device_copier.h"
 #include "pipeline/transport/staging/staging_transport.h"
 #include "pipeline/transport/ucx/ucx_transport.h"
 #include "proto/coordinator.grpc.pb.h"
@@ -621,8 +622,10 @@ class Agent {
     PIPPY_ASSIGN_OR_RETURN(stage::DataSource data, stage::DataSource::FromShareBytes(in.data, input_names));
     std::string().swap(in.data);
 
+    const c10::Device device(options_.device);
     transport::ucx::Options uo;
     if (!options_.ucx_tls.empty()) uo.ucx_config = {{"TLS", options_.ucx_tls}};
+    uo.receive_buffer = transport::staging::ReceiveBuffersFor(device);  // pinned on a GPU
     PIPPY_ASSIGN_OR_RETURN(auto ucx, transport::ucx::UcxTransport::Create(a.rank(), a.world_size(), uo));
     WorkerMessage addr;
     addr.mutable_address()->set_job_id(a.job_id());
@@ -662,7 +665,6 @@ class Agent {
     PIPPY_RETURN_IF_ERROR(ucx->Connect(peers));
     if (group != nullptr) PIPPY_RETURN_IF_ERROR(group->Connect(replica_peers));
     // A GPU rank's tensors cross to other ranks through host memory (ucx+staging).
-    const c10::Device device(options_.device);
     PIPPY_ASSIGN_OR_RETURN(auto staged, transport::staging::StagingTransport::ForDevice(ucx.get(), device));
     PIPPY_ASSIGN_OR_RETURN(auto rank_job, job::RankJob::Create(spec, a.plan(), a.rank(), std::move(stages), staged.get(),
                                                                options_.wait_timeout, group.get(), device));

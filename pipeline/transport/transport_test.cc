@@ -5,6 +5,9 @@
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <functional>
+#include <mutex>
+#include <set>
 #include <thread>
 
 #include "ATen/ATen.h"
@@ -12,6 +15,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "pipeline/transport/loopback/loopback_transport.h"
+#include "pipeline/transport/staging/device_copier.h"
 #include "pipeline/transport/staging/staging_transport.h"
 #include "pipeline/transport/nccl/nccl_group.h"
 #include "pipeline/transport/nccl/nccl_transport.h"
@@ -620,10 +624,59 @@ TEST(StagingTransport, CudaCopier_OrderedAgainstCompute_BothWays) {
   }
 }
 
-std::vector<std::unique_ptr<Transport>> Ucx(int n, const char* tls) {
-  auto g = ucx::CreateLocalGroup(n, ucx::LocalOptions(tls));
+std::vector<std::unique_ptr<Transport>> Ucx(int n, const char* tls,
+                                            std::function<at::Tensor(int64_t)> receive_buffer = nullptr) {
+  ucx::Options options = ucx::LocalOptions(tls);
+  options.receive_buffer = std::move(receive_buffer);
+  auto g = ucx::CreateLocalGroup(n, options);
   EXPECT_TRUE(g.ok()) << g.status();
   return g.ok() ? std::move(*g) : std::vector<std::unique_ptr<Transport>>{};
+}
+
+// Large payloads land in the buffers ucx::Options::receive_buffer makes (a GPU rank's
+// pinned memory), which are reused; small ones and a maker's unusable buffers fall
+// back to LibTorch's allocator, and the values stay right either way.
+TEST(UcxTransport, ReceiveBuffers_FromTheGivenMaker_Reused_WrongOnesReplaced) {
+  for (const char* tls : {"sm,self", "tcp,self"}) {
+    std::atomic<int> made{0};
+    std::mutex mu;
+    std::set<const void*> ours;
+    auto g = Ucx(2, tls, [&](int64_t nbytes) {
+      ++made;
+      at::Tensor t = at::empty({nbytes}, at::kByte);
+      std::lock_guard<std::mutex> lock(mu);
+      ours.insert(t.data_ptr());
+      return t;
+    });
+    ASSERT_EQ(g.size(), 2u);
+    for (int round = 0; round < 3; ++round) {
+      const at::Tensor big = at::full({1 << 18}, static_cast<float>(round));  // 1 MiB
+      const at::Tensor small = at::full({256}, static_cast<float>(round));     // 1 KiB
+      auto s = g[0]->Send(1, T(50 + round), c10::ivalue::Tuple::create({big, small}));
+      auto r = g[1]->Recv(0, T(50 + round));
+      ASSERT_TRUE(r->Wait(absl::Seconds(10)).ok()) << tls;
+      ASSERT_TRUE(s->Wait(absl::Seconds(10)).ok()) << tls;
+      const auto& e = r->Value().toTupleRef().elements();
+      EXPECT_TRUE(e[0].toTensor().equal(big)) << tls;
+      EXPECT_TRUE(e[1].toTensor().equal(small)) << tls;
+      std::lock_guard<std::mutex> lock(mu);
+      EXPECT_TRUE(ours.count(e[0].toTensor().data_ptr())) << tls << ": the 1 MiB payload is not in a made buffer";
+      EXPECT_FALSE(ours.count(e[1].toTensor().data_ptr())) << tls;
+    }  // each round's value is released before the next: one buffer serves all three
+    EXPECT_EQ(made.load(), 1) << tls;
+  }
+  for (auto bad : std::vector<std::function<at::Tensor(int64_t)>>{
+           [](int64_t nbytes) { return at::empty({nbytes / 4}, at::kFloat); },    // not bytes
+           [](int64_t nbytes) { return at::empty({nbytes / 2}, at::kByte); },     // too small
+           [](int64_t) -> at::Tensor { throw std::runtime_error("no pinned memory"); }}) {
+    auto g = Ucx(2, "sm,self", bad);
+    ASSERT_EQ(g.size(), 2u);
+    const at::Tensor big = at::arange(1 << 18, at::kFloat);
+    g[0]->Send(1, T(60), big);
+    auto r = g[1]->Recv(0, T(60));
+    ASSERT_TRUE(r->Wait(absl::Seconds(10)).ok());
+    EXPECT_TRUE(r->Value().toTensor().equal(big));
+  }
 }
 
 std::vector<std::unique_ptr<Transport>> Nccl(int n) {
@@ -720,8 +773,13 @@ INSTANTIATE_TEST_SUITE_P(
                 }},
         Backend{"staged_ucx_tcp", [](int n) { return Staged(Ucx(n, "tcp,self")); },
                 [](std::vector<std::unique_ptr<Transport>>& g, int r) { g[r].reset(); }},
-        // The CUDA copier (received values copied onto cuda:0) where a GPU is visible.
-        Backend{"staged_cuda", [](int n) { return CudaStaged(Ucx(n, "sm,self")); }, nullptr, NoGpu},
+        // The CUDA copier (received values copied onto cuda:0) where a GPU is visible, with
+        // UCX receiving into pinned buffers as a GPU worker's does.
+        Backend{"staged_cuda",
+                [](int n) {
+                  return CudaStaged(Ucx(n, "sm,self", staging::ReceiveBuffersFor(c10::Device(c10::kCUDA, 0))));
+                },
+                nullptr, NoGpu},
         Backend{"ucx_tcp", [](int n) { return Ucx(n, "tcp,self"); },
                 [](std::vector<std::unique_ptr<Transport>>& g, int r) { g[r].reset(); }},
         Backend{"nccl", Nccl, [](std::vector<std::unique_ptr<Transport>>& g, int r) { g[r].reset(); },

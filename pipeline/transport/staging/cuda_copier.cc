@@ -132,8 +132,11 @@ class CudaCopier : public DeviceCopier {
       out = MapTensors(value, [&](const at::Tensor& t) {
         if (!t.defined() || t.device() == device_) return t;
         if (!t.device().is_cpu()) return t.to(device_);
-        at::Tensor pinned = at::empty(t.sizes(), t.options().pinned_memory(true));
-        pinned.copy_(t);  // host memcpy: UCX received into pageable memory
+        at::Tensor pinned = t;
+        if (!t.is_contiguous() || !t.is_pinned()) {  // received into pageable memory: a host memcpy first
+          pinned = at::empty(t.sizes(), t.options().pinned_memory(true));
+          pinned.copy_(t);
+        }
         at::Tensor dst = at::empty(t.sizes(), t.options().device(device_));
         copies.emplace_back(pinned, dst);
         return dst;

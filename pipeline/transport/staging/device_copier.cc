@@ -44,4 +44,9 @@ absl::StatusOr<c10::IValue> SyncCopier::ToDevice(const c10::IValue& value) {
   }
 }
 
+std::function<at::Tensor(int64_t nbytes)> ReceiveBuffersFor(const c10::Device& device) {
+  if (!device.is_cuda()) return nullptr;
+  return [](int64_t nbytes) { return at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true)); };
+}
+
 }  // namespace pippy::transport::staging

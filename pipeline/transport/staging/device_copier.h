@@ -21,6 +21,7 @@
 #ifndef PIPPY_PIPELINE_TRANSPORT_STAGING_DEVICE_COPIER_H_
 #define PIPPY_PIPELINE_TRANSPORT_STAGING_DEVICE_COPIER_H_
 
+#include <functional>
 #include <memory>
 
 #include "ATen/core/ivalue.h"
@@ -82,6 +83,12 @@ class SyncCopier : public DeviceCopier {
 // The CUDA copier for device `device` (see above). Errors: UNIMPLEMENTED where pippy
 // was built without CUDA; UNAVAILABLE with CUDA's message (no such device, no driver).
 absl::StatusOr<std::unique_ptr<DeviceCopier>> NewCudaCopier(int device);
+
+// What a rank on `device` receives large payloads into (ucx::Options::receive_buffer):
+// on a CUDA device, pinned host memory, which the CUDA copier copies onto the device
+// straight away (pageable memory is first copied into a pinned buffer); elsewhere,
+// unset (LibTorch's allocator).
+std::function<at::Tensor(int64_t nbytes)> ReceiveBuffersFor(const c10::Device& device);
 
 }  // namespace pippy::transport::staging
 

@@ -12,12 +12,28 @@ at::Tensor ReceivePool::Allocate(const std::vector<int64_t>& sizes, c10::ScalarT
   for (at::Tensor& buf : bucket) {
     if (buf.storage().use_count() == 1) return buf.view(dtype).view(sizes);
   }
-  at::Tensor buf = at::empty({nbytes}, at::kByte);
+  at::Tensor buf = NewBuffer(nbytes);
   if (bucket.size() < 32 && bytes_ + nbytes <= (int64_t{2} << 30)) {
     bucket.push_back(buf);
     bytes_ += nbytes;
   }
   return buf.view(dtype).view(sizes);
+}
+
+at::Tensor ReceivePool::NewBuffer(int64_t nbytes) {
+  if (make_) {
+    at::Tensor buf;
+    try {
+      buf = make_(nbytes);
+    } catch (const std::exception&) {
+      buf = at::Tensor();  // e.g. pinned memory without a usable GPU: pageable instead
+    }
+    if (buf.defined() && buf.scalar_type() == at::kByte && buf.device().is_cpu() && buf.dim() == 1 &&
+        buf.numel() == nbytes && buf.is_contiguous()) {
+      return buf;
+    }
+  }
+  return at::empty({nbytes}, at::kByte);
 }
 
 void ReceivePool::Clear() {

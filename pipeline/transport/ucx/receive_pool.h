@@ -14,6 +14,7 @@
 #define PIPPY_PIPELINE_TRANSPORT_UCX_RECEIVE_POOL_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <vector>
@@ -24,11 +25,17 @@ namespace pippy::transport::ucx {
 
 class ReceivePool {
  public:
+  // `make` gives new buffers (a contiguous CPU byte tensor of the size asked for);
+  // unset, or where it gives something else: at::empty.
+  explicit ReceivePool(std::function<at::Tensor(int64_t nbytes)> make = nullptr) : make_(std::move(make)) {}
   // A tensor of `sizes` and `dtype` to receive into (contents undefined).
   at::Tensor Allocate(const std::vector<int64_t>& sizes, c10::ScalarType dtype);
   void Clear();
 
  private:
+  at::Tensor NewBuffer(int64_t nbytes);
+
+  std::function<at::Tensor(int64_t)> make_;
   std::map<int64_t, std::vector<at::Tensor>> buckets_;  // by byte size
   int64_t bytes_ = 0;
 };

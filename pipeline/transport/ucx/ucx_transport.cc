@@ -84,6 +84,10 @@ class Impl : public UcxTransport {
   ~Impl() override { Shutdown(); }
 
   absl::Status Init(const Options& options) {
+    {
+      absl::MutexLock lock(&worker_mu_);
+      receive_pool_ = ReceivePool(options.receive_buffer);
+    }
     // Peer-failure detection on shared memory needs this before ucp_init.
     setenv("UCX_MM_ERROR_HANDLING", "y", 0);
     // UCX warns on stdout about that setting when no shared-memory transport is used.

@@ -33,6 +33,7 @@
 #ifndef PIPPY_PIPELINE_TRANSPORT_UCX_UCX_TRANSPORT_H_
 #define PIPPY_PIPELINE_TRANSPORT_UCX_UCX_TRANSPORT_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -47,6 +48,12 @@ struct Options {
   // environment variables UCX_* still win for anything not listed here.
   std::vector<std::pair<std::string, std::string>> ucx_config;
   absl::Duration connect_timeout = absl::Seconds(30);
+  // Where payloads of 64 KiB and more are received: a contiguous host byte tensor of
+  // `nbytes` (unset: LibTorch's allocator). A GPU rank passes pinned memory
+  // (staging::ReceiveBuffersFor), so that its host-to-device copies start from the
+  // received bytes themselves. Buffers are reused as receive_pool.h describes; one of
+  // the wrong kind is not used (the allocator's takes its place).
+  std::function<at::Tensor(int64_t nbytes)> receive_buffer;
 };
 
 class UcxTransport : public Transport {
