@@ -328,25 +328,21 @@ void HoistAttributeReads(const std::shared_ptr<Graph>& graph) {
     hoisted.push_back(n);
     hoisted_set.insert(n);
   }
-  // Reads already at the top stay. From the first node that is not hoisted on, the
-  // hoisted reads and then the other nodes are moved to the end, each in its order:
-  // appending is cheap in LibTorch's node numbering, moving many nodes into one gap is
-  // not (LibTorch 1.13 halves the gap at each and renumbers the block every ~40).
+  // The reads already at the top (the first `leading` of `hoisted`, which is in graph
+  // order) stay. From the first node that is not hoisted on, the other hoisted reads and
+  // then the remaining nodes are moved to the end, each in its order: appending is
+  // cheap in LibTorch's node numbering, moving many nodes into one gap is not (LibTorch
+  // 1.13 halves the gap at each and renumbers the block every ~40).
   Block* top = graph->block();
   Node* first_kept = top->nodes().front();
-  while (first_kept != top->return_node() && hoisted_set.count(first_kept)) first_kept = first_kept->next();
-  if (first_kept == top->return_node()) return;
+  size_t leading = 0;
+  for (; first_kept != top->return_node() && hoisted_set.count(first_kept); first_kept = first_kept->next()) ++leading;
+  if (leading == hoisted.size()) return;
   std::vector<Node*> rest;
   for (Node* n = first_kept; n != top->return_node(); n = n->next()) {
     if (!hoisted_set.count(n)) rest.push_back(n);
   }
-  bool moved = false;
-  for (Node* n : hoisted) {
-    if (n->owningBlock() == top && !first_kept->isBefore(n)) continue;  // in the leading run
-    n->moveBefore(top->return_node());
-    moved = true;
-  }
-  if (!moved) return;
+  for (size_t i = leading; i < hoisted.size(); ++i) hoisted[i]->moveBefore(top->return_node());
   for (Node* n : rest) n->moveBefore(top->return_node());
 }
 

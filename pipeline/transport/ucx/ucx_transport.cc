@@ -79,15 +79,12 @@ struct EpErrorArg {
 
 class Impl : public UcxTransport {
  public:
-  Impl(int rank, int n) : rank_(rank), n_(n), err_args_(n) {}
+  Impl(int rank, int n, const Options& options)
+      : rank_(rank), n_(n), err_args_(n), receive_pool_(options.receive_buffer) {}
 
   ~Impl() override { Shutdown(); }
 
   absl::Status Init(const Options& options) {
-    {
-      absl::MutexLock lock(&worker_mu_);
-      receive_pool_ = ReceivePool(options.receive_buffer);
-    }
     // Peer-failure detection on shared memory needs this before ucp_init.
     setenv("UCX_MM_ERROR_HANDLING", "y", 0);
     // UCX warns on stdout about that setting when no shared-memory transport is used.
@@ -584,7 +581,7 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(int rank, int
   static std::once_flag once;
   std::call_once(once, [] { absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore); });
 #endif
-  auto impl = std::make_unique<Impl>(rank, world_size);
+  auto impl = std::make_unique<Impl>(rank, world_size, options);
   absl::Status s = impl->Init(options);
   if (!s.ok()) return s;
   return std::unique_ptr<UcxTransport>(std::move(impl));
