@@ -12,7 +12,7 @@
 
 #include "pipeline/partition/inliner.h"
 #include "pipeline/partition/model_graph.h"
-#include "pipeline/partition/model_io.h"
+#include "pipeline/torchio/model_io.h"
 #include "pipeline/partition/partition.h"
 #include "torch/csrc/jit/passes/inliner.h"
 #include "torch/csrc/jit/runtime/graph_executor.h"
@@ -25,7 +25,7 @@ const char* kModel = "examples/models/deep/gpt_deep.pt";
 const char* kInput = "examples/models/deep/gpt_deep.input.pt";
 
 torch::jit::Module& Model() {
-  static torch::jit::Module m = *LoadModel(kModel);
+  static torch::jit::Module m = *pippy::torchio::LoadModel(kModel);
   return m;
 }
 
@@ -48,12 +48,12 @@ double ReferenceInlineSeconds() {
 }
 
 double ReferenceLoadSeconds() {
-  static double s = Seconds([] { benchmark::DoNotOptimize(LoadModel(kModel)); }, 3);
+  static double s = Seconds([] { benchmark::DoNotOptimize(pippy::torchio::LoadModel(kModel)); }, 3);
   return s;
 }
 
 void BM_Reference_TorchJitLoad(benchmark::State& state) {
-  for (auto _ : state) benchmark::DoNotOptimize(LoadModel(kModel));
+  for (auto _ : state) benchmark::DoNotOptimize(pippy::torchio::LoadModel(kModel));
 }
 BENCHMARK(BM_Reference_TorchJitLoad)->Unit(benchmark::kMillisecond);
 
@@ -99,7 +99,7 @@ void BM_PippySplitFlopsWithExample(benchmark::State& state) {
   SplitOptions opts;
   opts.num_stages = 4;
   opts.balance = pippy::BALANCE_FLOPS;
-  opts.example_inputs = *LoadExampleInputs(kInput, Model());
+  opts.example_inputs = *pippy::torchio::LoadExampleInputs(kInput, Model());
   for (auto _ : state) {
     auto pipe = SplitModel(Model(), opts);
     if (!pipe.ok()) state.SkipWithError(std::string(pipe.status().message()).c_str());
@@ -112,7 +112,7 @@ void BM_PippyLoadAndSplit(benchmark::State& state) {
   SplitOptions opts;
   opts.num_stages = 4;
   for (auto _ : state) {
-    auto m = LoadModel(kModel);
+    auto m = pippy::torchio::LoadModel(kModel);
     auto pipe = SplitModel(*m, opts);
     benchmark::DoNotOptimize(pipe);
   }

@@ -15,7 +15,7 @@
 
 #include "pipeline/job/job_spec.h"
 #include "pipeline/job/rank_job.h"
-#include "pipeline/partition/model_io.h"
+#include "pipeline/torchio/model_io.h"
 #include "pipeline/partition/partition.h"
 #include "pipeline/schedule/schedule.h"
 #include "pipeline/schedule/simulator.h"
@@ -123,13 +123,13 @@ int main() {
   torch::jit::setGraphExecutorOptimize(false);
   at::set_num_threads(1);
   const char* zoo = "examples/models/zoo/";
-  auto model = *partition::LoadModel(std::string(zoo) + "mlp.pt");
-  auto inputs = *partition::LoadExampleInputs(std::string(zoo) + "mlp.input.pt", model);
-  auto target = *partition::LoadTorchSaved(std::string(zoo) + "mlp.target.pt");
+  auto model = *torchio::LoadModel(std::string(zoo) + "mlp.pt");
+  auto inputs = *torchio::LoadExampleInputs(std::string(zoo) + "mlp.input.pt", model);
+  auto target = *torchio::LoadTorchSaved(std::string(zoo) + "mlp.target.pt");
   const int steps = 200;
 
   const int m = 8;
-  auto ref_model = *partition::LoadModel(std::string(zoo) + "mlp.pt");
+  auto ref_model = *torchio::LoadModel(std::string(zoo) + "mlp.pt");
   const double ref_step = ReferenceStep(ref_model, inputs, target, m, steps);
   // One rank holding the whole model: the runtime's bookkeeping alone (no peer, no wait).
   PipelineFigures one = RunPipeline(model, inputs, target, schedule::ScheduleKind::k1F1B, 1, m, steps);

@@ -11,7 +11,7 @@
 #include "client/table.h"
 #include "common/cli.h"
 #include "pipeline/job/job_spec.h"
-#include "pipeline/partition/model_io.h"
+#include "pipeline/torchio/model_io.h"
 #include "pipeline/partition/partition.h"
 #include "pipeline/partition/pipe_io.h"
 #include "torch/csrc/jit/runtime/graph_executor.h"
@@ -91,7 +91,7 @@ int RunSplit(const SplitFlags& f, const GlobalFlags& g) {
   opts.balance = *balance;
   opts.model_name = f.model;
 
-  auto model = partition::LoadModel(f.model);
+  auto model = torchio::LoadModel(f.model);
   if (!model.ok()) return Fail(kProgram, model.status());
   if (f.list_cuts) {
     auto cuts = partition::ListLegalCuts(*model);
@@ -116,7 +116,7 @@ int RunSplit(const SplitFlags& f, const GlobalFlags& g) {
     return kExitOk;
   }
   if (!f.example_input.empty()) {
-    auto inputs = partition::LoadExampleInputs(f.example_input, *model);
+    auto inputs = torchio::LoadExampleInputs(f.example_input, *model);
     if (!inputs.ok()) return Fail(kProgram, inputs.status());
     opts.example_inputs = *inputs;
   }

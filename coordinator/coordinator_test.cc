@@ -14,7 +14,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "pipeline/job/job_plan.h"
-#include "pipeline/partition/model_io.h"
+#include "pipeline/torchio/model_io.h"
 #include "torch/csrc/jit/runtime/graph_executor.h"
 #include "torch/csrc/jit/serialization/pickle.h"
 
@@ -320,7 +320,7 @@ TEST_F(CoordinatorTest, ThreeStageJob_EachWorkerIsSentOnlyItsStageAndItsShareOfT
     EXPECT_EQ(static_cast<int64_t>(bytes.size()), job.stage_file_bytes(stage));
     EXPECT_GT(got.stage_chunks, 1);
     // The bytes are a loadable stage module holding exactly the plan's parameters.
-    auto module = partition::LoadModelFromBytes(bytes, "stage");
+    auto module = torchio::LoadModelFromBytes(bytes, "stage");
     ASSERT_TRUE(module.ok()) << module.status();
     std::set<std::string> names;
     for (const auto& p : module->named_parameters(true)) names.insert(p.name);
@@ -452,8 +452,8 @@ TEST_F(CoordinatorTest, WholeJob_RunsToSucceeded_AndServesTheAssembledModel) {
   auto path = coordinator_->ResultPath(*id);
   ASSERT_TRUE(path.ok()) << path.status();
   // The assembled model has the original structure and (untrained here) its parameters.
-  auto merged = partition::LoadModel(*path);
-  auto original = partition::LoadModel(kZoo + "gpt.pt");
+  auto merged = torchio::LoadModel(*path);
+  auto original = torchio::LoadModel(kZoo + "gpt.pt");
   ASSERT_TRUE(merged.ok() && original.ok());
   auto a = original->named_parameters(true);
   auto b = merged->named_parameters(true);

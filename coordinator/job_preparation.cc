@@ -15,7 +15,7 @@
 #include "coordinator/artifact_store.h"
 #include "pipeline/job/job_plan.h"
 #include "pipeline/job/job_spec.h"
-#include "pipeline/partition/model_io.h"
+#include "pipeline/torchio/model_io.h"
 #include "pipeline/partition/forward_probe.h"
 #include "pipeline/partition/partition.h"
 #include "pipeline/stage/data_source.h"
@@ -50,7 +50,7 @@ absl::StatusOr<std::string> DataBytes(const JobSpec& spec, const std::string& di
   if (have_file && !spec.data().synthetic().empty()) {
     return Bad("data", "give a data file or a synthetic spec, not both");
   }
-  if (have_file) return partition::ReadFile(path);
+  if (have_file) return torchio::ReadFile(path);
   if (spec.data().synthetic().empty()) {
     return Bad("data", "missing: send a torch.save({\"inputs\": ..., \"targets\": ...}) file or a synthetic spec");
   }
@@ -68,7 +68,7 @@ class StagesInMemory : public PreparedStages {
   int size() const override { return static_cast<int>(stages_.size()); }
 
   absl::Status Write(int stage, const std::function<absl::Status(absl::string_view)>& sink) const override {
-    return partition::WriteModule(stages_.at(static_cast<size_t>(stage)), sink);
+    return torchio::WriteModule(stages_.at(static_cast<size_t>(stage)), sink);
   }
 
   absl::StatusOr<std::vector<int64_t>> WriteFiles(const std::string& dir) const override {
@@ -82,7 +82,7 @@ class StagesInMemory : public PreparedStages {
       threads.emplace_back([&] {
         for (size_t s = next++; s < stages_.size(); s = next++) {
           const std::string path = absl::StrCat(dir, "/", ArtifactStore::StageFileName(static_cast<int>(s)));
-          results[s] = partition::SaveModule(stages_[s], path);
+          results[s] = torchio::SaveModule(stages_[s], path);
           sizes[s] = ArtifactStore::FileSize(path);
         }
       });
@@ -126,7 +126,7 @@ absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::stri
     checked = c.status;
   }
   absl::StatusOr<torch::jit::Module> loaded =
-      checked.ok() ? partition::LoadModel(model_path) : absl::StatusOr<torch::jit::Module>(checked);
+      checked.ok() ? torchio::LoadModel(model_path) : absl::StatusOr<torch::jit::Module>(checked);
   if (!loaded.ok()) {
     // Name the model as the user knows it, not by the coordinator's file.
     std::string msg(loaded.status().message());
@@ -139,7 +139,7 @@ absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::stri
 
   // The data, and its first micro-batch as the example that checks it fits.
   PIPPY_ASSIGN_OR_RETURN(std::string data_bytes, DataBytes(spec, dir));
-  const std::vector<std::string> names = partition::ForwardArgumentNames(model);
+  const std::vector<std::string> names = torchio::ForwardArgumentNames(model);
   absl::StatusOr<stage::DataSource> data_or = spec.has_serving()
                                                   ? stage::DataSource::FromExampleBytes(data_bytes, names)
                                                   : stage::DataSource::FromBytes(data_bytes, names);

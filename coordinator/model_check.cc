@@ -18,7 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "common/log.h"
-#include "pipeline/partition/model_io.h"
+#include "pipeline/torchio/model_io.h"
 #include "pipeline/partition/partition.h"
 #include "pipeline/stage/data_source.h"
 
@@ -63,7 +63,7 @@ int RunModelCheck(const std::string& path, const std::string& data_path) {
     setrlimit(RLIMIT_DATA, &limit);
   }
   torch::jit::setGraphExecutorOptimize(false);
-  absl::StatusOr<torch::jit::Module> model = partition::LoadModel(path);
+  absl::StatusOr<torch::jit::Module> model = torchio::LoadModel(path);
   if (!model.ok()) {
     Say(model.status());
     return 3;
@@ -74,9 +74,9 @@ int RunModelCheck(const std::string& path, const std::string& data_path) {
   if (data_path.empty()) return 0;
   std::fputs(kReadingData, stdout);  // the parent's clue, should the data crash this process
   std::fflush(stdout);
-  absl::StatusOr<std::string> bytes = partition::ReadFile(data_path);
+  absl::StatusOr<std::string> bytes = torchio::ReadFile(data_path);
   absl::Status data = bytes.status();
-  if (bytes.ok()) data = stage::DataSource::FromExampleBytes(*bytes, partition::ForwardArgumentNames(*model)).status();
+  if (bytes.ok()) data = stage::DataSource::FromExampleBytes(*bytes, torchio::ForwardArgumentNames(*model)).status();
   if (!data.ok()) {
     Say(data);
     return 4;

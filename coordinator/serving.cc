@@ -12,8 +12,7 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "common/torch_status.h"
-#include "pipeline/partition/model_graph.h"
-#include "pipeline/partition/model_io.h"
+#include "pipeline/torchio/model_io.h"
 #include "pipeline/stage/microbatch.h"
 #include "pipeline/transport/transport.h"
 #include "torch/csrc/jit/serialization/pickle.h"
@@ -72,7 +71,7 @@ std::string BucketOf(const std::vector<at::Tensor>& inputs) {
   std::vector<std::string> parts;
   for (const at::Tensor& t : inputs) {
     std::vector<int64_t> rest(t.sizes().begin() + 1, t.sizes().end());
-    parts.push_back(absl::StrCat(partition::DtypeName(t.scalar_type()), "[", absl::StrJoin(rest, ","), "]"));
+    parts.push_back(absl::StrCat(torchio::DtypeName(t.scalar_type()), "[", absl::StrJoin(rest, ","), "]"));
   }
   return absl::StrJoin(parts, ";");
 }
@@ -306,7 +305,7 @@ absl::Status ServingQueue::Submit(std::string input, Done done, std::shared_ptr<
   const Options& o = impl_->options;
   auto r = std::make_shared<Request>();
   r->arrival = absl::Now();
-  absl::StatusOr<c10::IValue> loaded = partition::PickleLoadUntrusted(input, "input");
+  absl::StatusOr<c10::IValue> loaded = torchio::PickleLoadUntrusted(input, "input");
   std::string().swap(input);
   if (!loaded.ok()) return loaded.status();
   absl::Status checked = TorchCall("input", [&]() -> absl::Status {
@@ -316,7 +315,7 @@ absl::Status ServingQueue::Submit(std::string input, Done done, std::shared_ptr<
       auto it = dict.find(std::string("inputs"));
       if (it != dict.end()) value = it->value();  // a whole data file
     }
-    PIPPY_ASSIGN_OR_RETURN(std::vector<c10::IValue> args, partition::ToForwardArguments(value, o.input_names, "input"));
+    PIPPY_ASSIGN_OR_RETURN(std::vector<c10::IValue> args, torchio::ToForwardArguments(value, o.input_names, "input"));
     for (size_t i = 0; i < args.size(); ++i) {
       const std::string name = absl::StrCat("input '", o.input_names[i], "'");
       if (!args[i].isTensor()) {
@@ -325,8 +324,8 @@ absl::Status ServingQueue::Submit(std::string input, Done done, std::shared_ptr<
                                                        "rows along dim 0"));
       }
       at::Tensor t = args[i].toTensor();
-      PIPPY_RETURN_IF_ERROR(partition::CheckRowTensor(t, name));
-      const std::string dtype = partition::DtypeName(t.scalar_type());
+      PIPPY_RETURN_IF_ERROR(torchio::CheckRowTensor(t, name));
+      const std::string dtype = torchio::DtypeName(t.scalar_type());
       if (i < o.input_dtypes.size() && !o.input_dtypes[i].empty() && dtype != o.input_dtypes[i]) {
         return absl::InvalidArgumentError(absl::StrCat(name, " is ", dtype, " but the model takes ", o.input_dtypes[i],
                                                        " (as the example input was); convert it"));
@@ -423,7 +422,7 @@ void ServingQueue::OnResult(const ServeResult& result) {
   absl::StatusOr<c10::IValue> output = absl::UnavailableError(
       absl::StrCat("the pipeline failed on this request's micro-batch: ", result.error()));
   if (result.ok()) {
-    output = partition::PickleLoad(result.output(), "a serving output");
+    output = torchio::PickleLoad(result.output(), "a serving output");
     if (!output.ok()) output = absl::InternalError(output.status().message());
   }
   // Slices and answers are made outside the lock; the requests' state is updated in it.

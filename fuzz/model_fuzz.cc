@@ -15,7 +15,7 @@
 #include "absl/strings/string_view.h"
 #include "common/log.h"
 #include "fuzz/child.h"
-#include "pipeline/partition/model_io.h"
+#include "pipeline/torchio/model_io.h"
 #include "pipeline/partition/partition.h"
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
@@ -27,13 +27,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace pippy::partition;
   const absl::string_view bytes(reinterpret_cast<const char*>(data), size);
   const auto in_child = pippy::fuzz::InChild([&] {
-    auto model = LoadModelFromBytes(bytes, "fuzz.pt");
+    auto model = pippy::torchio::LoadModelFromBytes(bytes, "fuzz.pt");
     if (!model.ok()) return 2;
     (void)ListLegalCuts(*model);
     return 0;
   });
   if (in_child != pippy::fuzz::Child::kOk) return 0;
-  auto model = LoadModelFromBytes(bytes, "fuzz.pt");
+  auto model = pippy::torchio::LoadModelFromBytes(bytes, "fuzz.pt");
   if (!model.ok()) return 0;
   (void)ListLegalCuts(*model);
   SplitOptions options;

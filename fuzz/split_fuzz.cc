@@ -10,7 +10,7 @@
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include "common/log.h"
-#include "pipeline/partition/model_io.h"
+#include "pipeline/torchio/model_io.h"
 #include "pipeline/partition/partition.h"
 #include "proto/job.pb.h"
 
@@ -29,14 +29,14 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
   pippy::log::Init("split_fuzz", pippy::log::Level::kOff);
   const char* env = std::getenv("PIPPY_FUZZ_MODEL");
   const std::string path = env != nullptr ? env : "examples/models/zoo/gpt.pt";
-  auto model = pippy::partition::LoadModel(path);
+  auto model = pippy::torchio::LoadModel(path);
   if (!model.ok()) {
     fprintf(stderr, "split_fuzz: %s (set PIPPY_FUZZ_MODEL to a TorchScript model)\n", model.status().ToString().c_str());
     std::exit(1);
   }
   base = new Base{*model, {}, {}};
   const std::string input = path.substr(0, path.size() - 3) + ".input.pt";
-  auto inputs = pippy::partition::LoadExampleInputs(input, *model);
+  auto inputs = pippy::torchio::LoadExampleInputs(input, *model);
   if (inputs.ok()) base->inputs = *inputs;
   auto cuts = pippy::partition::ListLegalCuts(*model);
   if (cuts.ok()) {

@@ -31,7 +31,7 @@
 #include "pipeline/job/job_plan.h"
 #include "pipeline/job/job_spec.h"
 #include "pipeline/job/rank_job.h"
-#include "pipeline/partition/model_io.h"
+#include "pipeline/torchio/model_io.h"
 #include "pipeline/stage/data_source.h"
 #include "pipeline/transport/staging/device_copier.h"
 #include "pipeline/transport/staging/staging_transport.h"
@@ -74,7 +74,7 @@ absl::StatusOr<std::vector<std::string>> Rendezvous(const std::string& dir, int 
 }
 
 absl::StatusOr<PipelinePlan> ReadPlan(const std::string& path) {
-  PIPPY_ASSIGN_OR_RETURN(std::string json, partition::ReadFile(path));
+  PIPPY_ASSIGN_OR_RETURN(std::string json, torchio::ReadFile(path));
   PipelinePlan plan;
   auto s = google::protobuf::util::JsonStringToMessage(json, &plan);
   if (!s.ok()) {
@@ -136,11 +136,11 @@ absl::Status Run(const Flags& f) {
   job::SeedProcessForRank(spec, f.rank);
   std::map<int, torch::jit::Module> mine;
   for (int s : sched.StagesOf(f.rank)) {
-    PIPPY_ASSIGN_OR_RETURN(mine[s], partition::LoadModel(absl::StrCat(f.stages_dir, "/stage_", s, ".pt")));
+    PIPPY_ASSIGN_OR_RETURN(mine[s], torchio::LoadModel(absl::StrCat(f.stages_dir, "/stage_", s, ".pt")));
   }
   std::vector<std::string> names;
   for (const ModelValue& v : plan.inputs()) names.push_back(v.name());
-  PIPPY_ASSIGN_OR_RETURN(std::string data_bytes, partition::ReadFile(f.data));
+  PIPPY_ASSIGN_OR_RETURN(std::string data_bytes, torchio::ReadFile(f.data));
   PIPPY_ASSIGN_OR_RETURN(stage::DataSource data, stage::DataSource::FromBytes(data_bytes, names));
 
   transport::ucx::Options uo;
@@ -166,7 +166,7 @@ absl::Status Run(const Flags& f) {
   std::error_code ec;
   std::filesystem::create_directories(f.out, ec);
   for (const auto& [s, module] : rank_job->stages()) {
-    PIPPY_RETURN_IF_ERROR(partition::SaveModule(module, absl::StrCat(f.out, "/stage_", s, ".pt")));
+    PIPPY_RETURN_IF_ERROR(torchio::SaveModule(module, absl::StrCat(f.out, "/stage_", s, ".pt")));
   }
   return absl::OkStatus();
 }

@@ -26,7 +26,7 @@
 #include "proto/health.grpc.pb.h"
 #include "pipeline/job/job_spec.h"
 #include "pipeline/job/rank_job.h"
-#include "pipeline/partition/model_io.h"
+#include "pipeline/torchio/model_io.h"
 #include "pipeline/stage/data_source.h"
 #include "pipeline/stage/microbatch.h"
 #include "pipeline/transport/gloo/gloo_group.h"
@@ -462,7 +462,7 @@ class Agent {
           m->mutable_stage_result()->set_stage(stage);
           return m->mutable_stage_result();
         },
-        [&](const Sink& sink) { return partition::WriteModule(module, sink); }, "results");
+        [&](const Sink& sink) { return torchio::WriteModule(module, sink); }, "results");
     return sent.status();
   }
 
@@ -491,7 +491,7 @@ class Agent {
     for (const auto& stage : rank_job.stages()) {  // not a structured binding: the lambda captures it
       if (a.replica() != 0) break;
       const torch::jit::Module& module = stage.second;
-      auto write = [&](const Sink& sink) { return partition::WriteModule(module, sink); };
+      auto write = [&](const Sink& sink) { return torchio::WriteModule(module, sink); };
       PIPPY_ASSIGN_OR_RETURN(int64_t n, Stream(a, piece(stage.first), write, "a checkpoint"));
       bytes += n;
     }
@@ -567,7 +567,7 @@ class Agent {
       }
       std::vector<c10::IValue> args(static_cast<size_t>(inputs));
       if (!batch.inputs().empty()) {
-        absl::StatusOr<c10::IValue> v = partition::PickleLoad(batch.inputs(), "a serving micro-batch");
+        absl::StatusOr<c10::IValue> v = torchio::PickleLoad(batch.inputs(), "a serving micro-batch");
         if (!v.ok()) return v.status();
         if (!v->isTuple() || v->toTupleRef().elements().size() != args.size()) {
           return absl::InternalError(absl::StrCat("step ", batch.step(), ": the coordinator sent ", v->tagKind(),
@@ -612,7 +612,7 @@ class Agent {
     int64_t param_bytes = 0;
     for (auto& [s, bytes] : in.stages) {
       PIPPY_ASSIGN_OR_RETURN(torch::jit::Module module,
-                             partition::LoadModelFromBytes(bytes, absl::StrCat("stage ", s)));
+                             torchio::LoadModelFromBytes(bytes, absl::StrCat("stage ", s)));
       param_bytes += ParamBytes(module);
       stages.emplace(s, std::move(module));
       std::string().swap(bytes);  // the archive's bytes are not needed once loaded

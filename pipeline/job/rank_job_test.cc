@@ -11,7 +11,7 @@
 #include "gtest/gtest.h"
 #include "pipeline/job/job_plan.h"
 #include "pipeline/job/job_spec.h"
-#include "pipeline/partition/model_io.h"
+#include "pipeline/torchio/model_io.h"
 #include "pipeline/partition/partition.h"
 #include "pipeline/transport/gloo/gloo_group.h"
 #include "pipeline/transport/loopback/loopback_transport.h"
@@ -75,12 +75,12 @@ void RunSteps(Ranks& ranks, int from, int to, const stage::DataSource& data) {
 // A deep copy of a module through its TorchScript bytes (what a checkpoint stores).
 torch::jit::Module Reload(const torch::jit::Module& m) {
   std::string bytes;
-  absl::Status s = partition::WriteModule(m, [&](absl::string_view piece) {
+  absl::Status s = torchio::WriteModule(m, [&](absl::string_view piece) {
     bytes.append(piece.data(), piece.size());
     return absl::OkStatus();
   });
   EXPECT_TRUE(s.ok()) << s;
-  auto loaded = partition::LoadModelFromBytes(bytes, "stage");
+  auto loaded = torchio::LoadModelFromBytes(bytes, "stage");
   EXPECT_TRUE(loaded.ok()) << loaded.status();
   return *loaded;
 }
@@ -91,10 +91,10 @@ class RankJobStateTest : public ::testing::TestWithParam<OptimizerKind> {
 };
 
 TEST_P(RankJobStateTest, ResumedFromSavedState_BitwiseEqualsUninterrupted) {
-  auto model = partition::LoadModel(Zoo("mlp.pt"));
+  auto model = torchio::LoadModel(Zoo("mlp.pt"));
   ASSERT_TRUE(model.ok());
-  auto inputs = partition::LoadExampleInputs(Zoo("mlp.input.pt"), *model);
-  auto target = partition::LoadTorchSaved(Zoo("mlp.target.pt"));
+  auto inputs = torchio::LoadExampleInputs(Zoo("mlp.input.pt"), *model);
+  auto target = torchio::LoadTorchSaved(Zoo("mlp.target.pt"));
   ASSERT_TRUE(inputs.ok() && target.ok());
   const int batch = static_cast<int>((*inputs)[0].toTensor().size(0));
   JobSpec spec = SpecFor(GetParam(), batch);
@@ -172,10 +172,10 @@ INSTANTIATE_TEST_SUITE_P(Optimizers, RankJobStateTest, ::testing::Values(OPTIMIZ
 // gradients are averaged. Not bitwise: the sums are grouped differently.
 TEST(RankJobReplicas, TwoReplicas_TrainLikeOnePipelineOnTheWholeBatch) {
   torch::jit::setGraphExecutorOptimize(false);
-  auto model = partition::LoadModel(Zoo("mlp.pt"));
+  auto model = torchio::LoadModel(Zoo("mlp.pt"));
   ASSERT_TRUE(model.ok());
-  auto inputs = partition::LoadExampleInputs(Zoo("mlp.input.pt"), *model);
-  auto target = partition::LoadTorchSaved(Zoo("mlp.target.pt"));
+  auto inputs = torchio::LoadExampleInputs(Zoo("mlp.input.pt"), *model);
+  auto target = torchio::LoadTorchSaved(Zoo("mlp.target.pt"));
   ASSERT_TRUE(inputs.ok() && target.ok());
   const int batch = static_cast<int>((*inputs)[0].toTensor().size(0));
   partition::SplitOptions so;
@@ -276,7 +276,7 @@ TEST(RankJobReplicas, TwoReplicas_TrainLikeOnePipelineOnTheWholeBatch) {
 }
 
 TEST(RankJobReplicas, GroupThatDoesNotMatchTheSpec_IsRefused) {
-  auto model = partition::LoadModel(Zoo("mlp.pt"));
+  auto model = torchio::LoadModel(Zoo("mlp.pt"));
   ASSERT_TRUE(model.ok());
   partition::SplitOptions so;
   so.num_stages = 2;
@@ -297,7 +297,7 @@ TEST(RankJobReplicas, GroupThatDoesNotMatchTheSpec_IsRefused) {
 class RankJobStateErrorsTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto model = partition::LoadModel(Zoo("mlp.pt"));
+    auto model = torchio::LoadModel(Zoo("mlp.pt"));
     ASSERT_TRUE(model.ok());
     partition::SplitOptions so;
     so.num_stages = 2;

@@ -4,7 +4,7 @@
 #include "absl/strings/str_split.h"
 #include "common/status.h"
 #include "common/torch_status.h"
-#include "pipeline/partition/model_io.h"
+#include "pipeline/torchio/model_io.h"
 
 namespace pippy::partition {
 namespace {
@@ -35,12 +35,12 @@ absl::Status CopyInto(torch::jit::Module& model, const std::string& name, const 
 
 absl::Status MergeStagesIntoModel(const std::string& model_path, const std::map<int, std::string>& stage_paths,
                                   const std::string& out_path) {
-  PIPPY_ASSIGN_OR_RETURN(torch::jit::Module model, LoadModel(model_path));
+  PIPPY_ASSIGN_OR_RETURN(torch::jit::Module model, torchio::LoadModel(model_path));
   for (const auto& entry : stage_paths) {
     const int index = entry.first;
     const std::string& path = entry.second;
     // One stage at a time: it is released before the next is loaded.
-    PIPPY_ASSIGN_OR_RETURN(torch::jit::Module stage, LoadModel(path));
+    PIPPY_ASSIGN_OR_RETURN(torch::jit::Module stage, torchio::LoadModel(path));
     PIPPY_RETURN_IF_ERROR(TorchCall(absl::StrCat("merging trained stage ", index), [&]() -> absl::Status {
       torch::NoGradGuard no_grad;
       for (const auto& p : stage.named_parameters(true)) PIPPY_RETURN_IF_ERROR(CopyInto(model, p.name, p.value, index));
@@ -48,7 +48,7 @@ absl::Status MergeStagesIntoModel(const std::string& model_path, const std::map<
       return absl::OkStatus();
     }));
   }
-  return SaveModule(model, out_path);
+  return torchio::SaveModule(model, out_path);
 }
 
 }  // namespace pippy::partition

@@ -44,22 +44,6 @@ void ForEachNodeRecursive(Node* node, const std::function<void(Node*)>& fn) {
   }
 }
 
-std::string DtypeName(c10::ScalarType type) {
-  switch (type) {
-    case c10::kFloat: return "float32";
-    case c10::kDouble: return "float64";
-    case c10::kHalf: return "float16";
-    case c10::kBFloat16: return "bfloat16";
-    case c10::kLong: return "int64";
-    case c10::kInt: return "int32";
-    case c10::kShort: return "int16";
-    case c10::kChar: return "int8";
-    case c10::kByte: return "uint8";
-    case c10::kBool: return "bool";
-    default: return c10::toString(type);
-  }
-}
-
 absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Build(const torch::jit::Module& model) {
   std::unique_ptr<ModelGraph> mg(new ModelGraph());
   mg->model_ = model;

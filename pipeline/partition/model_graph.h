@@ -113,9 +113,6 @@ class ModelGraph {
 // Calls fn on `node` and every node nested in its blocks.
 void ForEachNodeRecursive(torch::jit::Node* node, const std::function<void(torch::jit::Node*)>& fn);
 
-// "float32", "int64", ...
-std::string DtypeName(c10::ScalarType type);
-
 }  // namespace pippy::partition
 
 #endif  // PIPPY_PIPELINE_PARTITION_MODEL_GRAPH_H_

@@ -1,6 +1,6 @@
 // The partitioner: the C++ counterpart of torch.distributed.pipelining.pipeline().
 //
-//   auto model = LoadModel("m.pt");
+//   auto model = torchio::LoadModel("m.pt");
 //   SplitOptions opts; opts.num_stages = 4;               // or opts.split_at = {...}
 //   absl::StatusOr<Pipe> pipe = SplitModel(*model, opts);
 //   pipe->stages[s].forward(...)                          // run a stage in process
@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "pipeline/partition/pipe.h"
 #include "proto/job.pb.h"
 #include "proto/plan.pb.h"
 #include "torch/script.h"
@@ -42,11 +43,6 @@ struct SplitOptions {
   // bytes; required by kFlops and kTime.
   std::vector<c10::IValue> example_inputs;
   std::string model_name;             // recorded in the plan
-};
-
-struct Pipe {
-  PipelinePlan plan;
-  std::vector<torch::jit::Module> stages;  // standalone; see stage_builder.h
 };
 
 // With example inputs, the stages run them once (without gradients) to record shapes;

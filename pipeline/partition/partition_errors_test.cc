@@ -1,12 +1,10 @@
 // Every way a user can hand the partitioner bad input gets INVALID_ARGUMENT (or
 // NOT_FOUND) with a message that names the thing and says what to do.
-#include <cstdio>
-#include <fstream>
 #include <string>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "pipeline/partition/model_io.h"
+#include "pipeline/torchio/model_io.h"
 #include "pipeline/partition/partition.h"
 
 namespace pippy::partition {
@@ -17,67 +15,10 @@ using testing::HasSubstr;
 
 std::string Zoo(const std::string& f) { return "examples/models/zoo/" + f; }
 
-std::string WriteTemp(const std::string& name, const std::string& bytes) {
-  std::string path = std::string(getenv("TEST_TMPDIR") ? getenv("TEST_TMPDIR") : "/tmp") + "/" + name;
-  std::ofstream(path, std::ios::binary) << bytes;
-  return path;
-}
-
-std::string Prefix(const std::string& path, size_t n) {
-  auto bytes = ReadFile(path);
-  EXPECT_TRUE(bytes.ok());
-  return bytes->substr(0, std::min(n, bytes->size()));
-}
-
 absl::Status SplitError(const std::string& model, SplitOptions opts) {
-  auto m = LoadModel(Zoo(model));
+  auto m = torchio::LoadModel(Zoo(model));
   EXPECT_TRUE(m.ok()) << m.status();
   return SplitModel(*m, opts).status();
-}
-
-// A sink that fails part way (a cancelled job's stage sender) ends the write with its
-// error; LibTorch's writer must not be left to throw from its destructor (that was a
-// std::terminate in the coordinator).
-TEST(WriteModule, SinkFailingPartWay_ReturnsItsError) {
-  auto m = LoadModel(Zoo("gpt.pt"));
-  ASSERT_TRUE(m.ok()) << m.status();
-  int calls = 0;
-  absl::Status s = WriteModule(*m, [&](absl::string_view) {
-    return ++calls < 3 ? absl::OkStatus() : absl::CancelledError("the job was cancelled");
-  });
-  EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
-  EXPECT_EQ(calls, 3);  // nothing more reached the sink after it failed
-}
-
-TEST(LoadModel, MissingFile_NotFoundNamingPath) {
-  auto m = LoadModel("no/such/model.pt");
-  EXPECT_EQ(m.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_THAT(m.status().message(), HasSubstr("no/such/model.pt"));
-}
-
-TEST(LoadModel, NotAZipFile_SaysHowToSave) {
-  auto m = LoadModel(WriteTemp("text.pt", "hello, not a model\n"));
-  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(m.status().message(),
-              AllOf(HasSubstr("not a TorchScript archive"), HasSubstr("torch.jit.script(model).save")));
-}
-
-TEST(LoadModel, EmptyFile_Rejected) {
-  auto m = LoadModel(WriteTemp("empty.pt", ""));
-  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(m.status().message(), HasSubstr("is empty"));
-}
-
-TEST(LoadModel, TruncatedArchive_SaysTruncated) {
-  auto m = LoadModel(WriteTemp("trunc.pt", Prefix(Zoo("gpt.pt"), 4000)));
-  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(m.status().message(), HasSubstr("truncated or corrupt"));
-}
-
-TEST(LoadModel, TorchSaveCheckpoint_SaysItIsNotTorchScript) {
-  auto m = LoadModel(Zoo("mlp.checkpoint.pt"));
-  EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(m.status().message(), HasSubstr("looks like a torch.save() checkpoint"));
 }
 
 TEST(SplitAt, UnknownModule_ListsNearestNames) {
@@ -115,7 +56,7 @@ TEST(SplitAt, AtStartOfForward_SaysStageWouldBeEmpty) {
 }
 
 TEST(SplitAt, EndSuffix_CutsAfterModule) {
-  auto m = LoadModel(Zoo("gpt.pt"));
+  auto m = torchio::LoadModel(Zoo("gpt.pt"));
   ASSERT_TRUE(m.ok());
   SplitOptions opts;
   opts.split_at = {"blocks.1:end", "blocks.5"};
@@ -128,7 +69,7 @@ TEST(SplitAt, EndSuffix_CutsAfterModule) {
 
 TEST(SplitAt, PlanSplitPoints_ReproduceTheSplit) {
   // Workers re-split at the coordinator's recorded split points; unnamed cuts are op:N.
-  auto m = LoadModel(Zoo("multi.pt"));
+  auto m = torchio::LoadModel(Zoo("multi.pt"));
   ASSERT_TRUE(m.ok());
   SplitOptions opts;
   opts.num_stages = 4;
@@ -176,7 +117,7 @@ TEST(Inline, ModuleInterfaceCall_SaysHowToMakeItSplittable) {
 }
 
 TEST(Markers, PipeSplitModules_GiveTheCuts) {
-  auto m = LoadModel(Zoo("mlp_marked.pt"));
+  auto m = torchio::LoadModel(Zoo("mlp_marked.pt"));
   ASSERT_TRUE(m.ok());
   auto pipe = SplitModel(*m, SplitOptions{});
   ASSERT_TRUE(pipe.ok()) << pipe.status();
@@ -185,7 +126,7 @@ TEST(Markers, PipeSplitModules_GiveTheCuts) {
 }
 
 TEST(Markers, StagesDisagreeingWithMarkers_UsesAutoSplit) {
-  auto m = LoadModel(Zoo("mlp_marked.pt"));
+  auto m = torchio::LoadModel(Zoo("mlp_marked.pt"));
   ASSERT_TRUE(m.ok());
   SplitOptions opts;
   opts.num_stages = 5;
@@ -196,24 +137,24 @@ TEST(Markers, StagesDisagreeingWithMarkers_UsesAutoSplit) {
 }
 
 TEST(ExampleInput, WrongArity_NamesArguments) {
-  auto m = LoadModel(Zoo("multi.pt"));
+  auto m = torchio::LoadModel(Zoo("multi.pt"));
   ASSERT_TRUE(m.ok());
-  auto in = LoadExampleInputs(Zoo("mlp.input.pt"), *m);
+  auto in = torchio::LoadExampleInputs(Zoo("mlp.input.pt"), *m);
   EXPECT_EQ(in.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(in.status().message(), AllOf(HasSubstr("forward() takes 2 (x, y)")));
 }
 
 TEST(ExampleInput, UnknownDictKey_NamesIt) {
-  auto m = LoadModel(Zoo("mlp.pt"));
+  auto m = torchio::LoadModel(Zoo("mlp.pt"));
   ASSERT_TRUE(m.ok());
-  auto in = LoadExampleInputs(Zoo("multi.input.pt"), *m);
+  auto in = torchio::LoadExampleInputs(Zoo("multi.input.pt"), *m);
   EXPECT_THAT(in.status().message(), HasSubstr("unknown argument(s) x, y"));
 }
 
 TEST(ExampleInput, WrongShape_ErrorFromTheStageRun) {
-  auto m = LoadModel(Zoo("mlp.pt"));
+  auto m = torchio::LoadModel(Zoo("mlp.pt"));
   ASSERT_TRUE(m.ok());
-  auto bad = LoadExampleInputs(Zoo("unet.input.pt"), *m);  // 4-d images into an MLP
+  auto bad = torchio::LoadExampleInputs(Zoo("unet.input.pt"), *m);  // 4-d images into an MLP
   ASSERT_TRUE(bad.ok());
   SplitOptions opts;
   opts.num_stages = 2;
@@ -224,13 +165,13 @@ TEST(ExampleInput, WrongShape_ErrorFromTheStageRun) {
 }
 
 TEST(ExampleInput, DictTupleAndTensorForms_AllLoad) {
-  auto multi = LoadModel(Zoo("multi.pt"));
+  auto multi = torchio::LoadModel(Zoo("multi.pt"));
   ASSERT_TRUE(multi.ok());
-  auto dict_in = LoadExampleInputs(Zoo("multi.input.pt"), *multi);
+  auto dict_in = torchio::LoadExampleInputs(Zoo("multi.input.pt"), *multi);
   ASSERT_TRUE(dict_in.ok()) << dict_in.status();
   EXPECT_EQ(dict_in->size(), 2u);
-  auto mlp = LoadModel(Zoo("mlp.pt"));
-  auto tensor_in = LoadExampleInputs(Zoo("mlp.input.pt"), *mlp);
+  auto mlp = torchio::LoadModel(Zoo("mlp.pt"));
+  auto tensor_in = torchio::LoadExampleInputs(Zoo("mlp.input.pt"), *mlp);
   ASSERT_TRUE(tensor_in.ok());
   EXPECT_TRUE((*tensor_in)[0].isTensor());
 }

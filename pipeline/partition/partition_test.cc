@@ -9,7 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
-#include "pipeline/partition/model_io.h"
+#include "pipeline/torchio/model_io.h"
 #include "pipeline/partition/partition.h"
 #include "pipeline/partition/sequential_runner.h"
 #include "torch/csrc/autograd/autograd.h"
@@ -61,11 +61,11 @@ double g_worst = 0;
 
 TEST_P(SplitEquivalenceTest, StagesInSequence_MatchUnsplitModel) {
   const Case& c = GetParam();
-  auto model = LoadModel(ZooPath(c.model + ".pt"));
+  auto model = torchio::LoadModel(ZooPath(c.model + ".pt"));
   ASSERT_TRUE(model.ok()) << model.status();
-  auto reference = LoadModel(ZooPath(c.model + ".pt"));
+  auto reference = torchio::LoadModel(ZooPath(c.model + ".pt"));
   ASSERT_TRUE(reference.ok()) << reference.status();
-  auto inputs = LoadExampleInputs(ZooPath(c.model + ".input.pt"), *model);
+  auto inputs = torchio::LoadExampleInputs(ZooPath(c.model + ".input.pt"), *model);
   ASSERT_TRUE(inputs.ok()) << inputs.status();
 
   SplitOptions opts;

@@ -9,6 +9,7 @@
 #include "common/torch_status.h"
 #include "pipeline/partition/cut_selection.h"
 #include "pipeline/partition/forward_probe.h"
+#include "pipeline/torchio/model_io.h"
 #include "pipeline/partition/stage_builder.h"
 
 namespace pippy::partition {
@@ -17,7 +18,7 @@ namespace {
 using torch::jit::Value;
 
 void FillMeta(const at::Tensor& t, TensorMeta* meta) {
-  meta->set_dtype(DtypeName(t.scalar_type()));
+  meta->set_dtype(torchio::DtypeName(t.scalar_type()));
   for (int64_t d : t.sizes()) meta->add_shape(d);
   meta->set_bytes(static_cast<int64_t>(t.numel() * t.element_size()));
 }
@@ -117,7 +118,7 @@ absl::Status BuildPipe(const ModelGraph& mg, const std::vector<int>& cuts, bool 
         if (alias != name) pi->add_aliases(alias);
       }
       for (int64_t d : mt.tensor.sizes()) pi->add_shape(d);
-      pi->set_dtype(DtypeName(mt.tensor.scalar_type()));
+      pi->set_dtype(torchio::DtypeName(mt.tensor.scalar_type()));
       pi->set_bytes(static_cast<int64_t>(mt.tensor.numel() * mt.tensor.element_size()));
       pi->set_is_buffer(!mt.is_parameter);
       pi->set_requires_grad(mt.is_parameter && mt.tensor.requires_grad());

@@ -9,7 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "pipeline/partition/model_graph.h"
-#include "pipeline/partition/partition.h"
+#include "pipeline/partition/pipe.h"
 
 namespace pippy::partition {
 

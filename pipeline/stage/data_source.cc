@@ -4,7 +4,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "common/torch_status.h"
-#include "pipeline/partition/model_io.h"
+#include "pipeline/torchio/model_io.h"
 #include "torch/csrc/jit/serialization/pickle.h"
 
 namespace pippy::stage {
@@ -28,7 +28,7 @@ absl::StatusOr<c10::impl::GenericDict> LoadDict(absl::string_view bytes, const s
     return absl::InvalidArgumentError(absl::StrCat(
         what, ": not a file written by torch.save (expected torch.save({\"inputs\": ..., \"targets\": ...}, path))"));
   }
-  PIPPY_ASSIGN_OR_RETURN(c10::IValue loaded, partition::PickleLoad(bytes, what));
+  PIPPY_ASSIGN_OR_RETURN(c10::IValue loaded, torchio::PickleLoad(bytes, what));
   if (!loaded.isGenericDict()) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": expected a dict {\"inputs\": ..., \"targets\": ...}"));
   }
@@ -42,7 +42,7 @@ absl::StatusOr<DataSource> DataSource::FromBytes(absl::string_view bytes, const 
   auto inputs = dict.find(std::string("inputs"));
   if (inputs == dict.end()) return absl::InvalidArgumentError("data: the dict has no \"inputs\" entry");
   PIPPY_ASSIGN_OR_RETURN(std::vector<c10::IValue> args,
-                         partition::ToForwardArguments(inputs->value(), names, "data \"inputs\""));
+                         torchio::ToForwardArguments(inputs->value(), names, "data \"inputs\""));
   auto targets = dict.find(std::string("targets"));
   return FromValues(std::move(args), targets != dict.end() ? targets->value() : c10::IValue(), names);
 }
@@ -50,9 +50,9 @@ absl::StatusOr<DataSource> DataSource::FromBytes(absl::string_view bytes, const 
 absl::StatusOr<DataSource> DataSource::FromExampleBytes(absl::string_view bytes, const std::vector<std::string>& names) {
   absl::StatusOr<DataSource> file = FromBytes(bytes, names);
   if (file.ok()) return file;
-  absl::StatusOr<c10::IValue> v = partition::PickleLoad(bytes, "data");
+  absl::StatusOr<c10::IValue> v = torchio::PickleLoad(bytes, "data");
   if (!v.ok() || (v->isGenericDict() && v->toGenericDict().contains(std::string("inputs")))) return file;
-  absl::StatusOr<std::vector<c10::IValue>> args = partition::ToForwardArguments(*v, names, "data");
+  absl::StatusOr<std::vector<c10::IValue>> args = torchio::ToForwardArguments(*v, names, "data");
   if (!args.ok()) return file;
   return FromValues(std::move(*args), c10::IValue(), names);
 }
@@ -73,7 +73,7 @@ absl::StatusOr<DataSource> DataSource::FromValues(std::vector<c10::IValue> input
     const at::Tensor& t = v.toTensor();
     // Expanded or overlapping views: found by fuzz/data_fuzz, as a share that did not
     // read back; quantized tensors: std::terminate from index_select.
-    PIPPY_RETURN_IF_ERROR(partition::CheckRowTensor(t, absl::StrCat("data: ", what)));
+    PIPPY_RETURN_IF_ERROR(torchio::CheckRowTensor(t, absl::StrCat("data: ", what)));
     if (ds.num_samples_ >= 0 && t.size(0) != ds.num_samples_) {
       return absl::InvalidArgumentError(absl::StrCat("data: ", what, " has ", t.size(0), " samples but others have ",
                                                      ds.num_samples_));

@@ -14,7 +14,6 @@
 #include "common/status.h"
 #include "common/torch_status.h"
 #include "pipeline/schedule/simulator.h"
-#include "pipeline/transport/staging/staging_transport.h"
 #include "torch/csrc/autograd/autograd.h"
 #include "torch/csrc/autograd/function_hook.h"
 #include "torch/csrc/autograd/variable.h"
@@ -430,9 +429,9 @@ absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10:
   if (!options_.device.is_cpu()) {
     PIPPY_RETURN_IF_ERROR(TorchCall(absl::StrCat("copying step ", step, "'s batch to ", options_.device.str()), [&] {
       for (auto& mb : st.mb_inputs) {
-        for (c10::IValue& v : mb) v = transport::staging::ToDevice(v, options_.device);
+        for (c10::IValue& v : mb) v = transport::ToDevice(v, options_.device);
       }
-      for (c10::IValue& v : st.mb_targets) v = transport::staging::ToDevice(v, options_.device);
+      for (c10::IValue& v : st.mb_targets) v = transport::ToDevice(v, options_.device);
     }));
   }
   st.final_outputs.resize(st.m);
@@ -551,7 +550,7 @@ absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10:
     PIPPY_ASSIGN_OR_RETURN(result.output, MergeMicrobatches(st.final_outputs));
     if (!options_.device.is_cpu()) {
       PIPPY_RETURN_IF_ERROR(TorchCall("copying the output to the host", [&] {
-        result.output = transport::staging::ToDevice(result.output, c10::Device(c10::kCPU));
+        result.output = transport::ToDevice(result.output, c10::Device(c10::kCPU));
       }));
     }
   }

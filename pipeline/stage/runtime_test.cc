@@ -22,7 +22,7 @@
 #include "pipeline/job/job_plan.h"
 #include "pipeline/job/job_spec.h"
 #include "pipeline/job/rank_job.h"
-#include "pipeline/partition/model_io.h"
+#include "pipeline/torchio/model_io.h"
 #include "pipeline/partition/partition.h"
 #include "pipeline/partition/sequential_runner.h"
 #include "pipeline/schedule/schedule.h"
@@ -158,7 +158,7 @@ std::string OrderMismatch(std::vector<std::unique_ptr<RecordingTransport>>& rank
 // Trains the pipeline; inputs/targets: the zoo example batch.
 void RunPipeline(const Case& c, const std::vector<c10::IValue>& inputs, const c10::IValue& target, PipelineRun* run,
                  schedule::Schedule* custom = nullptr) {
-  auto model = partition::LoadModel(Zoo(c.model.name + ".pt"));
+  auto model = torchio::LoadModel(Zoo(c.model.name + ".pt"));
   ASSERT_TRUE(model.ok());
   partition::SplitOptions so;
   so.num_stages = c.ranks * c.stages_per_rank;
@@ -300,10 +300,10 @@ TEST(AutocastScope, CastsMatrixProductsInside_RestoresOutside_NestsAndIgnoresUnd
 
 TEST_P(PipelineTrainingTest, ThreeSteps_MatchUnsplitTraining) {
   const Case& c = GetParam();
-  auto model = partition::LoadModel(Zoo(c.model.name + ".pt"));
+  auto model = torchio::LoadModel(Zoo(c.model.name + ".pt"));
   ASSERT_TRUE(model.ok());
-  auto inputs = partition::LoadExampleInputs(Zoo(c.model.name + ".input.pt"), *model);
-  auto target = partition::LoadTorchSaved(Zoo(c.model.name + ".target.pt"));
+  auto inputs = torchio::LoadExampleInputs(Zoo(c.model.name + ".input.pt"), *model);
+  auto target = torchio::LoadTorchSaved(Zoo(c.model.name + ".target.pt"));
   ASSERT_TRUE(inputs.ok() && target.ok());
 
   PipelineRun run;
@@ -316,7 +316,7 @@ TEST_P(PipelineTrainingTest, ThreeSteps_MatchUnsplitTraining) {
   EXPECT_THAT(run.channel_order_mismatches, ::testing::IsEmpty())
       << "both ends of a channel must post its messages in one order (a transport matching by order relies on it)";
 
-  auto ref = partition::LoadModel(Zoo(c.model.name + ".pt"));
+  auto ref = torchio::LoadModel(Zoo(c.model.name + ".pt"));
   std::vector<double> ref_losses = TrainReference(*ref, c, *inputs, *target, /*microbatched=*/true);
   bool any = false;
   double micro = CompareState(run, *ref, &any);
@@ -334,7 +334,7 @@ TEST_P(PipelineTrainingTest, ThreeSteps_MatchUnsplitTraining) {
                                   " stages=", c.ranks * c.stages_per_rank, " ", job::OptimizerName(c.optimizer),
                                   " vs micro-batched reference: ", micro);
   if (!c.model.batch_coupled) {
-    auto full_ref = partition::LoadModel(Zoo(c.model.name + ".pt"));
+    auto full_ref = torchio::LoadModel(Zoo(c.model.name + ".pt"));
     TrainReference(*full_ref, c, *inputs, *target, /*microbatched=*/false);
     double full = CompareState(run, *full_ref, &any);
     // Gradient accumulation over micro-batches and one full-batch pass round
@@ -406,11 +406,11 @@ class RuntimeBehaviourTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() { torch::jit::setGraphExecutorOptimize(false); }
   void Load(const std::string& name) {
-    auto m = partition::LoadModel(Zoo(name + ".pt"));
+    auto m = torchio::LoadModel(Zoo(name + ".pt"));
     ASSERT_TRUE(m.ok());
     model_ = *m;
-    inputs_ = *partition::LoadExampleInputs(Zoo(name + ".input.pt"), model_);
-    target_ = *partition::LoadTorchSaved(Zoo(name + ".target.pt"));
+    inputs_ = *torchio::LoadExampleInputs(Zoo(name + ".input.pt"), model_);
+    target_ = *torchio::LoadTorchSaved(Zoo(name + ".target.pt"));
   }
   // Rank 0 of the MLP split in two with 1F1B (m = 4) over loopback; rank 1 never runs.
   std::unique_ptr<RankRuntime> LoneRank0(absl::Duration timeout) {
@@ -442,7 +442,7 @@ TEST_F(RuntimeBehaviourTest, ForwardOnly_EqualsUnsplitForward) {
       RunPipeline(c, inputs_, target_, &run);
       for (const auto& e : run.errors) ASSERT_TRUE(e.ok()) << e;
       const int last = run.schedule.stage_to_rank.back();
-      auto ref = partition::LoadModel(Zoo(std::string(name) + ".pt"));
+      auto ref = torchio::LoadModel(Zoo(std::string(name) + ".pt"));
       // Inference runs the stages in eval-free mode, as the model is (train mode here).
       c10::IValue want;
       {

@@ -48,4 +48,8 @@ c10::IValue MapTensors(const c10::IValue& value, const std::function<at::Tensor(
   return value;
 }
 
+c10::IValue ToDevice(const c10::IValue& value, const c10::Device& device) {
+  return MapTensors(value, [&](const at::Tensor& t) { return !t.defined() || t.device() == device ? t : t.to(device); });
+}
+
 }  // namespace pippy::transport

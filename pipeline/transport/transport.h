@@ -73,6 +73,10 @@ class Work {
 // keep their element type); other values as they are.
 c10::IValue MapTensors(const c10::IValue& value, const std::function<at::Tensor(const at::Tensor&)>& fn);
 
+// `value` with every tensor in it (through tuples and lists) on `device`; tensors
+// already there are the same tensors. Synchronous (Tensor::to).
+c10::IValue ToDevice(const c10::IValue& value, const c10::Device& device);
+
 class Transport {
  public:
   virtual ~Transport() = default;

@@ -281,7 +281,7 @@ TEST(StagingTransport, ReceivedValuesArriveOnTheRankDevice_StructureKept_HostRan
   auto r2 = sender.Recv(1, back);
   ASSERT_TRUE(r2->Wait(absl::Seconds(10)).ok());
   EXPECT_TRUE(r2->Value().toTensor().equal(x));
-  EXPECT_TRUE(staging::ToDevice(c10::IValue(x), c10::Device(c10::kCPU)).toTensor().is_same(x));
+  EXPECT_TRUE(transport::ToDevice(c10::IValue(x), c10::Device(c10::kCPU)).toTensor().is_same(x));
 }
 
 TEST(WireFormat, SeparateAndInlinePayload_RoundTrip) {

@@ -18,7 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "pipeline/partition/model_io.h"
+#include "pipeline/torchio/model_io.h"
 #include "pipeline/partition/partition.h"
 #include "pipeline/partition/pipe_io.h"
 #include "torch/csrc/jit/serialization/pickle.h"
@@ -117,14 +117,14 @@ LossKind Loss(const std::string& name) {
 // Splits the zoo model into dir/stages (stage_N.pt + plan.json) and writes its example
 // batch as a data file; returns the batch size.
 int64_t PrepareFiles(const Case& c, const std::string& dir) {
-  auto model = *partition::LoadModel(kZoo + c.model + ".pt");
+  auto model = *torchio::LoadModel(kZoo + c.model + ".pt");
   partition::SplitOptions so;
   so.num_stages = c.ranks * c.stages_per_rank;
   auto pipe = partition::SplitModel(model, so);
   EXPECT_TRUE(pipe.ok()) << pipe.status();
   EXPECT_TRUE(partition::WritePipe(*pipe, dir + "/stages").ok());
-  auto inputs = *partition::LoadExampleInputs(kZoo + c.model + ".input.pt", model);
-  auto target = *partition::LoadTorchSaved(kZoo + c.model + ".target.pt");
+  auto inputs = *torchio::LoadExampleInputs(kZoo + c.model + ".input.pt", model);
+  auto target = *torchio::LoadTorchSaved(kZoo + c.model + ".target.pt");
   c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
   d.insert("inputs", c10::ivalue::Tuple::create(inputs));
   d.insert("targets", target);
@@ -166,9 +166,9 @@ TEST_P(MultiProcessTraining, RanksAsProcessesOverUcx_MatchUnsplitTraining) {
   for (int s = 0; s < c.ranks * c.stages_per_rank; ++s) {
     stages.push_back(torch::jit::load(absl::StrCat(dir, "/out/stage_", s, ".pt")));
   }
-  auto ref = *partition::LoadModel(kZoo + c.model + ".pt");
-  auto inputs = *partition::LoadExampleInputs(kZoo + c.model + ".input.pt", ref);
-  auto target = *partition::LoadTorchSaved(kZoo + c.model + ".target.pt");
+  auto ref = *torchio::LoadModel(kZoo + c.model + ".pt");
+  auto inputs = *torchio::LoadExampleInputs(kZoo + c.model + ".input.pt", ref);
+  auto target = *torchio::LoadTorchSaved(kZoo + c.model + ".target.pt");
   stage::testing::TrainUnsplit(ref, Loss(c.loss), Optim(c.optimizer), 0, inputs, target, 4, 3);
   int compared = 0;
   double worst = stage::testing::MaxRelativeDifference(stages, ref, &compared);

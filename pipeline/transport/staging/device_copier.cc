@@ -6,10 +6,6 @@
 
 namespace pippy::transport::staging {
 
-c10::IValue ToDevice(const c10::IValue& value, const c10::Device& device) {
-  return MapTensors(value, [&](const at::Tensor& t) { return !t.defined() || t.device() == device ? t : t.to(device); });
-}
-
 bool HasTensorOffDevice(const c10::IValue& value, const c10::Device& device) {
   if (value.isTensor()) return value.toTensor().defined() && value.toTensor().device() != device;
   if (value.isTuple()) {
@@ -29,7 +25,7 @@ absl::StatusOr<DeviceCopier::Staged> SyncCopier::ToHost(const c10::IValue& value
   const c10::Device host(c10::kCPU);
   Staged staged;
   try {
-    staged.host = HasTensorOffDevice(value, host) ? staging::ToDevice(value, host) : value;
+    staged.host = HasTensorOffDevice(value, host) ? transport::ToDevice(value, host) : value;
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat(device_.str(), ": staging a value to the host: ", e.what()));
   }
@@ -38,7 +34,7 @@ absl::StatusOr<DeviceCopier::Staged> SyncCopier::ToHost(const c10::IValue& value
 
 absl::StatusOr<c10::IValue> SyncCopier::ToDevice(const c10::IValue& value) {
   try {
-    return staging::ToDevice(value, device_);
+    return transport::ToDevice(value, device_);
   } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat(device_.str(), ": staging a value onto the device: ", e.what()));
   }

@@ -32,10 +32,6 @@
 
 namespace pippy::transport::staging {
 
-// `value` with every tensor in it (through tuples and lists) on `device`; tensors
-// already there are the same tensors. Synchronous (Tensor::to).
-c10::IValue ToDevice(const c10::IValue& value, const c10::Device& device);
-
 // Whether `value` holds a tensor that is not on `device`.
 bool HasTensorOffDevice(const c10::IValue& value, const c10::Device& device);
 

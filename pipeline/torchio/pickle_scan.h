@@ -11,8 +11,8 @@
 // they announce: lengths must lie within the bytes that follow, only the globals that
 // torch.save writes for tensors and containers may be named, nesting is bounded, and
 // a list or dict may not be referred to twice (the only way to make a cycle).
-#ifndef PIPPY_PIPELINE_PARTITION_PICKLE_SCAN_H_
-#define PIPPY_PIPELINE_PARTITION_PICKLE_SCAN_H_
+#ifndef PIPPY_PIPELINE_TORCHIO_PICKLE_SCAN_H_
+#define PIPPY_PIPELINE_TORCHIO_PICKLE_SCAN_H_
 
 #include <string>
 
@@ -20,7 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
-namespace pippy::partition {
+namespace pippy::torchio {
 
 struct PickleLimits {
   size_t max_bytes = 64 * 1024;  // the pickle itself; tensors' bytes are separate records
@@ -41,6 +41,6 @@ absl::Status ScanPickle(absl::string_view pickle, const std::string& what, const
 absl::StatusOr<std::string> PickleForLibTorch(absl::string_view pickle, const std::string& what,
                                               const PickleLimits* limits);
 
-}  // namespace pippy::partition
+}  // namespace pippy::torchio
 
-#endif  // PIPPY_PIPELINE_PARTITION_PICKLE_SCAN_H_
+#endif  // PIPPY_PIPELINE_TORCHIO_PICKLE_SCAN_H_

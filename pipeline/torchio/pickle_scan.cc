@@ -1,4 +1,4 @@
-#include "pipeline/partition/pickle_scan.h"
+#include "pipeline/torchio/pickle_scan.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -11,7 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
-namespace pippy::partition {
+namespace pippy::torchio {
 namespace {
 
 // One value (or mark) on the pickle machine's stack: how deep its containers nest,
@@ -354,4 +354,4 @@ absl::StatusOr<std::string> PickleForLibTorch(absl::string_view pickle, const st
   return scanner.Rewrite();
 }
 
-}  // namespace pippy::partition
+}  // namespace pippy::torchio

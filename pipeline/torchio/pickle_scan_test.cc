@@ -7,11 +7,10 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "pipeline/partition/model_io.h"
-#include "pipeline/partition/pickle_scan.h"
-#include "pipeline/partition/sequential_runner.h"
+#include "pipeline/torchio/model_io.h"
+#include "pipeline/torchio/pickle_scan.h"
 
-namespace pippy::partition {
+namespace pippy::torchio {
 namespace {
 
 using ::testing::HasSubstr;
@@ -24,6 +23,18 @@ std::string Seed(const std::string& name) {
   return ss.str();
 }
 
+// Tensors in `v`, through tuples and lists.
+size_t CountTensors(const c10::IValue& v) {
+  size_t n = v.isTensor() ? 1 : 0;
+  if (v.isTuple()) {
+    for (const c10::IValue& e : v.toTupleRef().elements()) n += CountTensors(e);
+  }
+  if (v.isList()) {
+    for (const c10::IValue& e : v.toListRef()) n += CountTensors(e);
+  }
+  return n;
+}
+
 TEST(PickleLoadUntrusted, RequestsTorchSaveWrites_Load) {
   for (const char* name : {"tensor.pt", "tuple.pt", "list.pt", "dict.pt", "datafile.pt", "scalars.pt", "int64.pt"}) {
     auto v = PickleLoadUntrusted(Seed(name), "input");
@@ -31,7 +42,7 @@ TEST(PickleLoadUntrusted, RequestsTorchSaveWrites_Load) {
     // The same value as the trusted loader reads.
     auto trusted = PickleLoad(Seed(name), "input");
     ASSERT_TRUE(trusted.ok());
-    EXPECT_EQ(FlattenTensors(*v).size(), FlattenTensors(*trusted).size()) << name;
+    EXPECT_EQ(CountTensors(*v), CountTensors(*trusted)) << name;
   }
 }
 
@@ -46,7 +57,7 @@ TEST(PickleLoad, SingleItemListAndDict_Load) {
         ASSERT_EQ(v->toGenericDict().size(), 1u) << name;
         EXPECT_TRUE(v->toGenericDict().begin()->value().isTensor()) << name;
       } else {
-        EXPECT_EQ(FlattenTensors(*v).size(), 1u) << name;
+        EXPECT_EQ(CountTensors(*v), 1u) << name;
       }
     }
   }
@@ -90,4 +101,4 @@ TEST(ScanPickle, Limits) {
 }
 
 }  // namespace
-}  // namespace pippy::partition
+}  // namespace pippy::torchio

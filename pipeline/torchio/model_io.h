@@ -5,8 +5,8 @@
 //   INVALID_ARGUMENT  the file is not a TorchScript archive (with a hint: a
 //                     torch.save() checkpoint, a truncated copy, ...), or an example
 //                     input does not match the model's forward() arguments
-#ifndef PIPPY_PIPELINE_PARTITION_MODEL_IO_H_
-#define PIPPY_PIPELINE_PARTITION_MODEL_IO_H_
+#ifndef PIPPY_PIPELINE_TORCHIO_MODEL_IO_H_
+#define PIPPY_PIPELINE_TORCHIO_MODEL_IO_H_
 
 #include <functional>
 #include <string>
@@ -14,10 +14,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "pipeline/partition/pickle_scan.h"
+#include "pipeline/torchio/pickle_scan.h"
 #include "torch/script.h"
 
-namespace pippy::partition {
+namespace pippy::torchio {
 
 // Loads a model saved with torch.jit.script(m).save(path) (or torch.jit.trace). The
 // file is read record by record: loading needs the model's memory, not twice it.
@@ -91,9 +91,12 @@ absl::StatusOr<std::vector<c10::IValue>> ToForwardArguments(const c10::IValue& v
                                                             const std::vector<std::string>& names,
                                                             const std::string& what);
 
+// "float32", "int64", ...: a dtype as Python's torch names it.
+std::string DtypeName(c10::ScalarType type);
+
 // Reads a whole file.
 absl::StatusOr<std::string> ReadFile(const std::string& path);
 
-}  // namespace pippy::partition
+}  // namespace pippy::torchio
 
-#endif  // PIPPY_PIPELINE_PARTITION_MODEL_IO_H_
+#endif  // PIPPY_PIPELINE_TORCHIO_MODEL_IO_H_

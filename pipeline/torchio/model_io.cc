@@ -1,4 +1,4 @@
-#include "pipeline/partition/model_io.h"
+#include "pipeline/torchio/model_io.h"
 
 #include <malloc.h>
 
@@ -25,7 +25,7 @@
 #include "torch/csrc/jit/serialization/storage_context.h"
 #include "torch/csrc/jit/serialization/unpickler.h"
 
-namespace pippy::partition {
+namespace pippy::torchio {
 namespace {
 
 constexpr char kHowToSave[] = "save the model with torch.jit.script(model).save(path)";
@@ -480,4 +480,20 @@ absl::StatusOr<std::vector<c10::IValue>> LoadExampleInputs(const std::string& pa
   return ToForwardArguments(value, model, absl::StrCat("example input '", path, "'"));
 }
 
-}  // namespace pippy::partition
+std::string DtypeName(c10::ScalarType type) {
+  switch (type) {
+    case c10::kFloat: return "float32";
+    case c10::kDouble: return "float64";
+    case c10::kHalf: return "float16";
+    case c10::kBFloat16: return "bfloat16";
+    case c10::kLong: return "int64";
+    case c10::kInt: return "int32";
+    case c10::kShort: return "int16";
+    case c10::kChar: return "int8";
+    case c10::kByte: return "uint8";
+    case c10::kBool: return "bool";
+    default: return c10::toString(type);
+  }
+}
+
+}  // namespace pippy::torchio
