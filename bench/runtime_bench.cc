@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <thread>
 
+#include "proto/names.h"
 #include "pipeline/job/job_spec.h"
 #include "pipeline/job/rank_job.h"
 #include "pipeline/torchio/model_io.h"
@@ -44,14 +45,14 @@ struct PipelineFigures {
 };
 
 PipelineFigures RunPipeline(const torch::jit::Module& model, const std::vector<c10::IValue>& inputs,
-                            const c10::IValue& target, schedule::ScheduleKind kind, int p, int m, int steps) {
+                            const c10::IValue& target, ScheduleKind kind, int p, int m, int steps) {
   partition::SplitOptions so;
   so.num_stages = p;
   auto pipe = partition::SplitModel(model, so);
   // The job as a worker would run it: the spec, job::RankJob, a DataSource whose
   // batch is the whole example.
   JobSpec spec;
-  spec.mutable_schedule()->set_kind(*job::ParseSchedule(schedule::ScheduleKindName(kind)));
+  spec.mutable_schedule()->set_kind(kind);
   spec.mutable_schedule()->set_microbatches(m);
   spec.mutable_split()->set_stages(p);
   spec.set_steps(steps + 3);
@@ -132,10 +133,10 @@ int main() {
   auto ref_model = *torchio::LoadModel(std::string(zoo) + "mlp.pt");
   const double ref_step = ReferenceStep(ref_model, inputs, target, m, steps);
   // One rank holding the whole model: the runtime's bookkeeping alone (no peer, no wait).
-  PipelineFigures one = RunPipeline(model, inputs, target, schedule::ScheduleKind::k1F1B, 1, m, steps);
+  PipelineFigures one = RunPipeline(model, inputs, target, SCHEDULE_1F1B, 1, m, steps);
   const double one_overhead_us = (one.seconds_per_step - ref_step) / one.compute_actions_rank0 * 1e6;
   // Two ranks (threads, loopback): where rank 0's step went.
-  PipelineFigures f = RunPipeline(model, inputs, target, schedule::ScheduleKind::k1F1B, 2, m, steps);
+  PipelineFigures f = RunPipeline(model, inputs, target, SCHEDULE_1F1B, 2, m, steps);
   const auto& b = f.breakdown_rank0;
   const double step_total = b.compute_seconds + b.wait_seconds + b.transport_seconds + b.optimizer_seconds +
                             b.other_seconds;
@@ -154,7 +155,7 @@ int main() {
               (step_total - b.compute_seconds - b.wait_seconds) / f.actions_rank0 * 1e6);
   std::printf("\nPeak live activations per rank (micro-batches holding autograd state), m=8, p=4\n");
   std::printf("%-10s %-22s %-22s\n", "schedule", "runtime (measured)", "simulator");
-  for (auto kind : {schedule::ScheduleKind::kGPipe, schedule::ScheduleKind::k1F1B}) {
+  for (auto kind : {SCHEDULE_GPIPE, SCHEDULE_1F1B}) {
     PipelineFigures g = RunPipeline(model, inputs, target, kind, 4, 8, 2);
     schedule::ScheduleOptions so;
     so.num_ranks = 4;
@@ -163,7 +164,7 @@ int main() {
     std::string measured, simulated;
     for (int x : g.peak) measured += std::to_string(x) + " ";
     for (int x : sim->peak_live_per_rank) simulated += std::to_string(x) + " ";
-    std::printf("%-10s %-22s %-22s\n", schedule::ScheduleKindName(kind).c_str(), measured.c_str(),
+    std::printf("%-10s %-22s %-22s\n", names::Name(kind).c_str(), measured.c_str(),
                 simulated.c_str());
   }
   return 0;

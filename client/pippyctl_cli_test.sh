@@ -38,12 +38,12 @@ expect unknown-split 2 "nearest names: blocks.3.attn" -- split "$ZOO/gpt.pt" --s
 expect illegal-cut 2 "only tensors can be sent" -- split "$ZOO/gpt.pt" --split-at blocks.3.attn.qkv
 expect too-many-stages 2 "cannot make 99 stages" -- split "$ZOO/mlp.pt" --stages 99
 expect interface 2 "module interface" -- split "$ZOO/iface.pt" --stages 2
-expect bad-balance 2 "--balance: bytes not in {params,flops,time}" -- split "$ZOO/mlp.pt" --stages 2 --balance bytes
+expect bad-balance 2 "--balance: unknown balance 'bytes': use params, flops, time" -- split "$ZOO/mlp.pt" --stages 2 --balance bytes
 expect bad-stages 2 "--stages: 'two' is not a number" -- split "$ZOO/mlp.pt" --stages two
 expect zero-stages 2 "--stages: must be > 0" -- split "$ZOO/mlp.pt" --stages 0
 expect bad-output 2 "--output" -- --output yaml split "$ZOO/mlp.pt" --stages 2
 expect submit-needs-schedule 2 "--schedule is required" -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --microbatches 2 --batch-size 8
-expect submit-unknown-loss 2 "--loss: l1 not in {mse,cross_entropy,model}" -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --schedule 1f1b --microbatches 2 --batch-size 8 --loss l1
+expect submit-unknown-loss 2 "--loss: unknown loss 'l1': use mse, cross_entropy, model" -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --schedule 1f1b --microbatches 2 --batch-size 8 --loss l1
 expect submit-data-and-synthetic 2 "excludes --synthetic" -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --synthetic "inputs=float32[8,32]" --schedule 1f1b --microbatches 2 --batch-size 8
 expect submit-negative-checkpoint 2 "--checkpoint-every" -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --schedule 1f1b --microbatches 2 --batch-size 8 --loss mse --optimizer sgd --checkpoint-every -1
 expect submit-zero-recovery-timeout 2 "--recovery-timeout-s: must be > 0" -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --schedule 1f1b --microbatches 2 --batch-size 8 --loss mse --optimizer sgd --recovery-timeout-s 0

@@ -31,6 +31,7 @@
 #include "pipeline/job/job_spec.h"
 #include "proto/coordinator.grpc.pb.h"
 #include "proto/health.grpc.pb.h"
+#include "proto/job_state.h"
 
 namespace pippy::cli {
 namespace {
@@ -53,8 +54,6 @@ std::string Json(const google::protobuf::Message& m) {
   (void)google::protobuf::util::MessageToJsonString(m, &out, o);
   return out;
 }
-
-bool Terminal(JobState s) { return s == SUCCEEDED || s == FAILED || s == CANCELLED; }
 
 // Plain or TLS (--tls-ca) credentials; a bad --tls-ca file was refused when the flags
 // were parsed, so failing here means it is not PEM: exit 2 with the reason.
@@ -206,14 +205,14 @@ absl::StatusOr<Job> Watch(Coordinator::Stub* stub, const std::string& job_id, co
                                                  e.samples_per_second(), 100 * e.bubble_fraction()));
         }
         // Events (a worker lost, a restart) get a line of their own.
-        if (!Terminal(e.state()) && !e.message().empty() && e.message() != last_message) {
+        if (!IsTerminal(e.state()) && !e.message().empty() && e.message() != last_message) {
           std::cout << (tty ? "\r" : "") << e.message() << (tty ? "\n" : "\n");
         }
-        if (Terminal(e.state()) && !e.message().empty()) absl::StrAppend(&line, "  ", e.message());
+        if (IsTerminal(e.state()) && !e.message().empty()) absl::StrAppend(&line, "  ", e.message());
         std::cout << (tty ? "\r" : "") << line << (tty ? "   " : "\n") << std::flush;
       }
       last_message = e.message();
-      if (Terminal(e.state())) {
+      if (IsTerminal(e.state())) {
         ended = true;
         break;
       }
@@ -262,8 +261,8 @@ void AddSplitFlags(CLI::App* cmd, SplitFlags* f) {
   cmd->add_option("--stages", f->stages, "split automatically into this many stages")->check(cli::Positive());
   cmd->add_option("--split-at", f->split_at, "or cut before these modules (see pippyctl split --help)")
       ->delimiter(',');
-  cmd->add_option("--balance", f->balance, "what an automatic split equalises: params | flops | time")
-      ->check(CLI::IsMember({"params", "flops", "time"}))->capture_default_str();
+  cli::AddNameOption<Balance>(cmd, "--balance", &f->balance, "balance", "what an automatic split equalises")
+      ->capture_default_str();
 }
 
 absl::Status SetSplit(const SplitFlags& f, JobSpec* spec) {
@@ -277,10 +276,7 @@ absl::Status SetSplit(const SplitFlags& f, JobSpec* spec) {
 
 // --dtype, submit's and serve's.
 void AddDtypeFlag(CLI::App* cmd, std::string* dtype) {
-  cmd->add_option("--dtype", *dtype,
-                  "fp32 | bf16: bf16 runs each stage's forward under autocast to bfloat16 with fp32 weights, "
-                  "gradients and optimizer state (PyTorch's mixed-precision recipe)")
-      ->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
+  cli::AddNameOption<Precision>(cmd, "--dtype", dtype, "dtype", "compute precision")->capture_default_str();
 }
 
 absl::Status SetPrecision(const std::string& dtype, JobSpec* spec) {
@@ -438,8 +434,7 @@ void AddSubmit(CLI::App& root, const GlobalFlags& g, int* exit_code) {
                                     "(int64[64,16]@64 for integers in [0, 64); without seed= the job's --seed)");
   data->excludes(synthetic);
   AddSplitFlags(cmd, &f->split);
-  cmd->add_option("--schedule", f->schedule, "gpipe | 1f1b | interleaved-1f1b | looped-bfs | zb1p | zbv | inference")
-      ->required();
+  cli::AddNameOption<ScheduleKind>(cmd, "--schedule", &f->schedule, "schedule", "pipeline schedule")->required();
   cmd->add_option("--stages-per-worker", f->stages_per_worker,
                   "stages each worker holds (interleaved schedules; default: the schedule's)")
       ->check(cli::Positive());
@@ -449,10 +444,9 @@ void AddSubmit(CLI::App& root, const GlobalFlags& g, int* exit_code) {
       ->check(cli::Positive());
   cmd->add_option("--steps", f->steps, "optimizer steps (inference: batches)")->check(cli::Positive())->capture_default_str();
   AddDtypeFlag(cmd, &f->dtype);
-  cmd->add_option("--loss", f->loss, "mse | cross_entropy | model (the model's loss(self, output, target))")
-      ->check(CLI::IsMember({"mse", "cross_entropy", "model"}));
-  cmd->add_option("--optimizer", f->optimizer, "sgd | adam | adamw (torch.optim's semantics and defaults)")
-      ->check(CLI::IsMember({"sgd", "adam", "adamw"}));
+  cli::AddNameOption<LossKind>(cmd, "--loss", &f->loss, "loss", "the loss, on the last stage");
+  cli::AddNameOption<OptimizerKind>(cmd, "--optimizer", &f->optimizer, "optimizer",
+                                    "the optimizer, with torch.optim's semantics and defaults");
   cmd->add_option("--lr", f->lr, "learning rate")->check(cli::Positive())->capture_default_str();
   cmd->add_option("--momentum", f->momentum, "sgd momentum")->check(cli::NonNegative())->capture_default_str();
   cmd->add_option("--weight-decay", f->weight_decay, "default: torch's (0.01 for adamw, 0 for sgd and adam)")
@@ -532,7 +526,7 @@ int RunServe(const ServeFlags& f, const GlobalFlags& g) {
     grpc::Status s = stub->GetJob(&ctx, req, &job);
     if (!s.ok()) return Fail(kProgram, FromGrpc(s, g.coordinator));
     if (job.state() == SERVING) return kExitOk;
-    if (Terminal(job.state())) {
+    if (IsTerminal(job.state())) {
       return Fail(kProgram, absl::FailedPreconditionError(absl::StrCat("serving job ", *id, " ended ",
                                                                         JobState_Name(job.state()), ": ", job.reason())));
     }
@@ -765,8 +759,9 @@ std::string ChromeTrace(const StepTrace& t) {
           s + 1, s));
     }
     for (const TraceEvent& e : r.events()) {
-      const bool transport = absl::StrContains(e.name(), "SEND") || absl::StrContains(e.name(), "RECV");
-      const char* cat = e.stage() < 0 ? "step" : transport ? "transport" : "compute";
+      const char* cat = e.kind() == TRACE_SEND || e.kind() == TRACE_RECV ? "transport"
+                        : e.kind() == TRACE_COMPUTE                        ? "compute"
+                                                                           : "step";
       events.push_back(absl::StrFormat(
           R"({"name": %s, "cat": "%s", "ph": "X", "ts": %d, "dur": %d, "pid": %d, "tid": %d, )"
           R"("args": {"bytes": %d, "wait_us": %d}})",

@@ -8,6 +8,7 @@
 #include "client/commands.h"
 #include "client/table.h"
 #include "common/cli.h"
+#include "pipeline/job/job_spec.h"
 #include "pipeline/schedule/schedule.h"
 #include "pipeline/schedule/simulator.h"
 
@@ -59,7 +60,7 @@ int RunSchedule(const ScheduleFlags& f, const GlobalFlags& g) {
                                 "schedule needs --schedule NAME --ranks R --microbatches M (or --from-csv FILE); "
                                 "see pippyctl schedule --help"));
     }
-    auto kind = schedule::ParseScheduleKind(f.schedule);
+    auto kind = job::ParseSchedule(f.schedule);
     if (!kind.ok()) return Fail(kProgram, kind.status());
     const int stages = f.stages > 0 ? f.stages : f.ranks * schedule::DefaultStagesPerRank(*kind);
     if (stages % f.ranks != 0) {
@@ -122,9 +123,7 @@ void AddScheduleCommand(CLI::App& root, const GlobalFlags& globals, int* exit_co
       "Preconditions: 1f1b, zb1p and zbv need micro-batches >= ranks; interleaved-1f1b needs micro-batches "
       "to be a multiple of ranks.");
   cmd->fallthrough();
-  cmd->add_option("--schedule", f->schedule,
-                  "gpipe | 1f1b | interleaved-1f1b | looped-bfs | zb1p | zbv | inference (torch's class names "
-                  "work too: GPipe, Interleaved1F1B, ZBVZeroBubble, ...)");
+  cli::AddNameOption<ScheduleKind>(cmd, "--schedule", &f->schedule, "schedule", "the schedule to generate");
   cmd->add_option("--ranks", f->ranks, "pipeline ranks (workers)")->check(cli::Positive());
   cmd->add_option("--stages", f->stages,
                   "total stages, a multiple of --ranks (default: ranks, or 2 x ranks for interleaved-1f1b, "

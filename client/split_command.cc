@@ -145,11 +145,9 @@ void AddSplitOptions(CLI::App* cmd, const GlobalFlags& globals, int* exit_code) 
                   "cut before each named module (paths as in named_modules(), e.g. blocks.4); NAME:end cuts "
                   "after it")
       ->delimiter(',');
-  cmd->add_option("--balance", f->balance,
-                  "what an automatic split equalises: params (parameter bytes), flops (2 x multiply-adds of "
-                  "linear/matmul/conv, ~5 per element for norms and softmax, 1 per output element otherwise, "
-                  "with --example-input's shapes) or time (measured forward time on --example-input, min of 3)")
-      ->check(CLI::IsMember({"params", "flops", "time"}))->capture_default_str();
+  cli::AddNameOption<Balance>(cmd, "--balance", &f->balance, "balance",
+                              "what an automatic split equalises (flops and time need --example-input)")
+      ->capture_default_str();
   cmd->add_option("--example-input", f->example_input,
                   "a batch written by torch.save: a tensor, a tuple (forward's arguments in order) or a dict "
                   "{argument name: value}; adds shapes and activation bytes to the plan");

@@ -10,6 +10,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 
 namespace pippy::cli {
@@ -60,6 +61,27 @@ CLI::Validator NumberAbove(double low, bool inclusive, const std::string& name) 
 }
 
 }  // namespace
+
+CLI::Option* AddNameOption(CLI::App* app, const std::string& flag, std::string* value, const std::string& what,
+                           const std::string& description, const google::protobuf::EnumDescriptor* e) {
+  std::vector<names::Choice> choices = names::ChoicesOf(e);
+  size_t width = 0;
+  for (const names::Choice& c : choices) width = std::max(width, c.name.size());
+  std::string help = absl::StrCat(description, ":");
+  std::vector<std::string> aliases;
+  for (const names::Choice& c : choices) {
+    absl::StrAppend(&help, "\n  ", c.name, std::string(width - c.name.size() + 2, ' '), c.help);
+    aliases.insert(aliases.end(), c.aliases.begin(), c.aliases.end());
+  }
+  if (!aliases.empty()) absl::StrAppend(&help, "\n  (also: ", absl::StrJoin(aliases, ", "), ")");
+  CLI::Validator check(
+      [e, what](std::string& text) -> std::string {
+        absl::StatusOr<int> v = names::ParseIn(e, what, text);
+        return v.ok() ? std::string() : std::string(v.status().message());
+      },
+      "");
+  return app->add_option(flag, *value, help)->check(check);
+}
 
 CLI::Validator Positive() { return NumberAbove(0, false, "> 0"); }
 CLI::Validator NonNegative() { return NumberAbove(0, true, ">= 0"); }

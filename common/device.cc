@@ -17,8 +17,6 @@ std::string Device::ToString() const {
   return "?";
 }
 
-bool IsGpuDevice(absl::string_view device) { return absl::StartsWith(device, "cuda"); }
-
 absl::StatusOr<Device> ParseDevice(absl::string_view text) {
   Device d;
   if (text == "cpu") return d;

@@ -16,10 +16,10 @@ struct Device {
   int index = 0;  // cuda: the ordinal among the visible GPUs
 
   std::string ToString() const;  // "cpu", "cuda:1", "auto"
+  bool is_gpu() const { return kind == Kind::kCuda; }
+  bool operator==(const Device& o) const { return kind == o.kind && index == o.index; }
+  bool operator!=(const Device& o) const { return !(*this == o); }
 };
-
-// Whether a worker's registered device (Device::ToString) is a GPU.
-bool IsGpuDevice(absl::string_view device);
 
 // "cpu" | "cuda" (= cuda:0) | "cuda:N" | "auto". Errors: INVALID_ARGUMENT naming the
 // flag and the accepted forms.

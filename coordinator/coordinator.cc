@@ -14,13 +14,12 @@
 #include "pipeline/job/job_plan.h"
 #include "pipeline/job/job_spec.h"
 #include "pipeline/partition/merge.h"
+#include "proto/job_state.h"
 
 namespace pippy::coordinator {
 namespace {
 
 int64_t NowMs() { return absl::ToUnixMillis(absl::Now()); }
-
-bool Terminal(JobState s) { return s == SUCCEEDED || s == FAILED || s == CANCELLED; }
 
 std::vector<int> StagesOfRank(const std::vector<int>& stage_to_rank, int rank) {
   std::vector<int> out;
@@ -55,7 +54,7 @@ void Coordinator::RestoreJobs() {
     e.job = job;
     int64_t n = 0;
     if (sscanf(job.job_id().c_str(), "job-%ld", &n) == 1) next_job_ = std::max(next_job_, n + 1);
-    if (Terminal(job.state())) continue;
+    if (IsTerminal(job.state())) continue;
     const std::string& id = job.job_id();
     if (job.spec().has_serving()) e.serving = MakeServingQueue(job);
     e.stage_to_rank.assign(job.stage_ranks().begin(), job.stage_ranks().end());
@@ -210,7 +209,7 @@ absl::StatusOr<std::string> Coordinator::SubmitJob(const JobSpec& spec, std::uni
     bool any_cpu = false;
     int64_t largest_gpu = 0;
     for (const auto& [wid, w] : workers_) {
-      if (IsGpuDevice(w.info.device())) {
+      if (w.device.is_gpu()) {
         largest_gpu = std::max(largest_gpu, w.info.free_memory());
       } else {
         any_cpu = true;
@@ -266,7 +265,7 @@ void Coordinator::StageOut(const std::string& job_id) {
     absl::MutexLock lock(&mu_);
     JobEntry& e = jobs_[job_id];
     stages = std::move(e.stages);
-    if (!Terminal(e.job.state())) {
+    if (!IsTerminal(e.job.state())) {
       std::vector<std::string> chosen = FitWorkers(e, IdleWorkers());
       // Straight from memory when the job can run now and no earlier job waits for
       // these workers; else to files and the queue.
@@ -298,7 +297,7 @@ void Coordinator::StageOut(const std::string& job_id) {
       Touch(e);
       log::Info("job={} stages streamed to {} workers from memory in {}", job_id, sends.size(),
                 absl::FormatDuration(absl::Now() - start));
-      restartable = !Terminal(e.job.state()) && e.job.spec().fault_tolerance().max_restarts() > 0;
+      restartable = !IsTerminal(e.job.state()) && e.job.spec().fault_tolerance().max_restarts() > 0;
     }
     if (restartable) {
       // A restart before the first checkpoint (or after a coordinator restart) places
@@ -315,7 +314,7 @@ void Coordinator::StageOut(const std::string& job_id) {
           if (e.job.state() == RECOVERING && e.job.checkpoint_step() == 0) {
             Finish(e, FAILED, absl::StrCat("the job cannot restart: ", why), &out);
           }
-        } else if (Terminal(e.job.state())) {
+        } else if (IsTerminal(e.job.state())) {
           artifacts_->RemoveJobFiles(job_id);  // it ended while the files were written
         } else {
           e.stage_files_ready = true;
@@ -333,7 +332,7 @@ void Coordinator::StageOut(const std::string& job_id) {
     {
       absl::MutexLock lock(&mu_);
       JobEntry& e = jobs_[job_id];
-      if (Terminal(e.job.state())) {
+      if (IsTerminal(e.job.state())) {
         // Cancelled meanwhile: nothing to queue (Finish removed the files).
       } else if (!sizes.ok()) {
         Finish(e, FAILED, absl::StrCat("writing the stage files: ", sizes.status().message()), &out);
@@ -378,11 +377,11 @@ std::vector<std::string> Coordinator::FitWorkers(const JobEntry& e, const std::v
   for (int g : order) {
     int best = -1;
     for (size_t k = 0; k < free.size(); ++k) {
-      const WorkerInfo& w = workers_.at(free[k]).info;
-      if (IsGpuDevice(w.device())) {
-        if (w.free_memory() < need[g]) continue;
-        if (best < 0 || !IsGpuDevice(workers_.at(free[best]).info.device()) ||
-            w.free_memory() < workers_.at(free[best]).info.free_memory()) {
+      const WorkerEntry& w = workers_.at(free[k]);
+      if (w.device.is_gpu()) {
+        if (w.info.free_memory() < need[g]) continue;
+        const WorkerEntry& chosen_so_far = workers_.at(free[best < 0 ? k : best]);
+        if (best < 0 || !chosen_so_far.device.is_gpu() || w.info.free_memory() < chosen_so_far.info.free_memory()) {
           best = static_cast<int>(k);
         }
       } else if (best < 0) {
@@ -467,8 +466,8 @@ absl::Status Coordinator::Infer(const std::string& job, std::string input, Servi
       // By name: the newest serving job so named that has not ended, else the newest.
       for (const auto& [id, e] : jobs_) {
         if (e.job.spec().name() != job || !e.job.spec().has_serving()) continue;
-        const bool better = found == nullptr || (Terminal(found->job.state()) && !Terminal(e.job.state())) ||
-                            (Terminal(found->job.state()) == Terminal(e.job.state()) &&
+        const bool better = found == nullptr || (IsTerminal(found->job.state()) && !IsTerminal(e.job.state())) ||
+                            (IsTerminal(found->job.state()) == IsTerminal(e.job.state()) &&
                              e.job.created_unix_ms() >= found->job.created_unix_ms());
         if (better) found = &e;
       }
@@ -481,7 +480,7 @@ absl::Status Coordinator::Infer(const std::string& job, std::string input, Servi
       return absl::FailedPreconditionError(absl::StrCat("job ", found->job.job_id(), " is not a serving job (pippyctl "
                                                         "serve starts one; inference jobs read a data file)"));
     }
-    if (Terminal(found->job.state())) {
+    if (IsTerminal(found->job.state())) {
       return absl::FailedPreconditionError(absl::StrCat("serving job ", found->job.job_id(), " ended (",
                                                         JobState_Name(found->job.state()), ": ", found->job.reason(),
                                                         "); serve the model again"));
@@ -524,7 +523,7 @@ absl::StatusOr<Job> Coordinator::CancelJob(const std::string& job_id, const std:
       return absl::PermissionDeniedError(absl::StrCat("job ", job_id, " was submitted by ", owner,
                                                       "; only they can cancel it"));
     }
-    if (Terminal(it->second.job.state())) {
+    if (IsTerminal(it->second.job.state())) {
       return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " already ended (",
                                                         JobState_Name(it->second.job.state()), ")"));
     }
@@ -563,7 +562,7 @@ absl::StatusOr<StepTrace> Coordinator::GetTrace(const std::string& job_id, int s
   for (const auto& [s, ranks] : e.traces) out.add_available_steps(s);
   if (e.traces.empty()) {
     return absl::NotFoundError(absl::StrCat("job ", job_id, " has no traced step ",
-                                            Terminal(e.job.state()) && e.job.step() == 0
+                                            IsTerminal(e.job.state()) && e.job.step() == 0
                                                 ? "(it ran no step)"
                                                 : "yet (a step is traced once every rank reported it)"));
   }
@@ -591,7 +590,14 @@ absl::StatusOr<StepTrace> Coordinator::GetTrace(const std::string& job_id, int s
   return out;
 }
 
-std::string Coordinator::AddWorker(const RegisterWorker& reg, std::shared_ptr<WorkerChannel> channel) {
+absl::StatusOr<std::string> Coordinator::AddWorker(const RegisterWorker& reg, std::shared_ptr<WorkerChannel> channel) {
+  // Unset: a CPU worker.
+  absl::StatusOr<Device> device = ParseDevice(reg.device().empty() ? "cpu" : reg.device());
+  if (!device.ok() || device->kind == Device::Kind::kAuto) {
+    return absl::InvalidArgumentError(absl::StrCat("register.device: '", reg.device(), "' is not a device a worker ",
+                                                   "runs on (cpu or cuda:N); is the worker's version ", reg.version(),
+                                                   " this coordinator's?"));
+  }
   Outbox out;
   std::string id;
   {
@@ -619,6 +625,7 @@ std::string Coordinator::AddWorker(const RegisterWorker& reg, std::shared_ptr<Wo
     w.info.set_threads(reg.threads());
     w.info.set_state(IDLE);
     w.info.set_last_heartbeat_unix_ms(NowMs());
+    w.device = *device;
     w.channel = channel;
     w.last_heartbeat = absl::Now();
     workers_[id] = w;
@@ -645,7 +652,7 @@ void Coordinator::RemoveWorker(const std::string& worker_id, const std::string& 
     if (!info.job_id().empty()) {
       auto job = jobs_.find(info.job_id());
       // A worker still finishing an earlier attempt of a recovering job changes nothing.
-      if (job != jobs_.end() && !Terminal(job->second.job.state()) && job->second.job.state() != RECOVERING &&
+      if (job != jobs_.end() && !IsTerminal(job->second.job.state()) && job->second.job.state() != RECOVERING &&
           attempt == job->second.job.attempt()) {
         Recover(job->second,
                 absl::StrCat("worker ", info.name(), " (", worker_id, ", rank ", info.rank(),
@@ -660,7 +667,7 @@ void Coordinator::RemoveWorker(const std::string& worker_id, const std::string& 
 }
 
 void Coordinator::Finish(JobEntry& e, JobState state, const std::string& reason, Outbox* out) {
-  if (Terminal(e.job.state())) return;
+  if (IsTerminal(e.job.state())) return;
   e.job.set_state(state);
   e.job.set_reason(reason);
   e.stop->store(true);
@@ -833,8 +840,8 @@ std::vector<Coordinator::RankSend> Coordinator::Place(JobEntry& e, const std::ve
   // (replica 0's; the replicas are placed alike).
   std::vector<job::RankPlace> places;
   for (int r = 0; r < e.per_replica && r < static_cast<int>(workers.size()); ++r) {
-    const WorkerInfo& info = workers_[workers[static_cast<size_t>(r)]].info;
-    places.push_back({info.host(), info.device()});
+    const WorkerEntry& w = workers_[workers[static_cast<size_t>(r)]];
+    places.push_back({w.info.host(), w.device});
   }
   e.job.clear_edges();
   if (static_cast<int>(places.size()) == e.per_replica) {
@@ -937,7 +944,7 @@ void Coordinator::OnResultChunk(const std::string& job_id, int attempt, int stag
   {
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(job_id);
-    if (it == jobs_.end() || it->second.job.attempt() != attempt || Terminal(it->second.job.state())) return;
+    if (it == jobs_.end() || it->second.job.attempt() != attempt || IsTerminal(it->second.job.state())) return;
   }
   absl::Status s = artifacts_->AppendResult(job_id, stage, chunk, last);
   if (s.ok()) return;
@@ -981,7 +988,7 @@ void Coordinator::OnCheckpointChunk(const CheckpointChunk& c) {
   }
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(c.job_id());
-  if (it == jobs_.end() || it->second.job.attempt() != c.attempt() || Terminal(it->second.job.state())) return;
+  if (it == jobs_.end() || it->second.job.attempt() != c.attempt() || IsTerminal(it->second.job.state())) return;
   JobEntry& e = it->second;
   auto& pieces = e.checkpoint_pieces[c.step()];
   pieces.insert({c.stage() >= 0 ? 0 : global, c.stage()});
@@ -1058,7 +1065,7 @@ void Coordinator::OnWorkerMessage(const std::string& worker_id, const WorkerMess
       Schedule();  // a queued or recovering job may wait for this worker
     }
     // Messages of an earlier attempt of the job (ranks that were stopped) are ignored.
-    if (jit != jobs_.end() && !Terminal(jit->second.job.state()) && jit->second.job.attempt() == attempt &&
+    if (jit != jobs_.end() && !IsTerminal(jit->second.job.state()) && jit->second.job.attempt() == attempt &&
         jit->second.job.state() != RECOVERING) {
       JobEntry& e = jit->second;
       const int P = std::max(1, e.per_replica);
@@ -1115,8 +1122,8 @@ void Coordinator::OnWorkerMessage(const std::string& worker_id, const WorkerMess
           step_seconds_.Observe(step_s);
           for (const auto& [rank, r] : reports) {
             for (const TraceEvent& ev : r.events()) {
-              if (ev.name().find("SEND") != std::string::npos) counters_.bytes_sent += ev.bytes();
-              if (ev.name().find("RECV") != std::string::npos) counters_.bytes_received += ev.bytes();
+              if (ev.kind() == TRACE_SEND) counters_.bytes_sent += ev.bytes();
+              if (ev.kind() == TRACE_RECV) counters_.bytes_received += ev.bytes();
             }
           }
           e.job.set_step(m.step().step() + 1);
@@ -1185,7 +1192,7 @@ void Coordinator::Assemble(const std::string& job_id, bool inference, int stages
   {
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(job_id);
-    if (it == jobs_.end() || Terminal(it->second.job.state())) return;  // cancelled meanwhile
+    if (it == jobs_.end() || IsTerminal(it->second.job.state())) return;  // cancelled meanwhile
     if (s.ok()) s = artifacts_->Publish(job_id, assembled);
     if (!s.ok()) {
       Finish(it->second, FAILED, absl::StrCat("assembling the result: ", s.message()), &out);
@@ -1235,13 +1242,13 @@ std::string Coordinator::MetricsText() {
   }
   x.Family("pippy_checkpoint_age_seconds", "gauge", "Time since the last checkpoint of each unfinished job");
   for (const auto& [id, e] : jobs_) {
-    if (Terminal(e.job.state()) || e.checkpoint_time == absl::InfinitePast()) continue;
+    if (IsTerminal(e.job.state()) || e.checkpoint_time == absl::InfinitePast()) continue;
     x.Sample("pippy_checkpoint_age_seconds", {{"job", id}}, absl::ToDoubleSeconds(now - e.checkpoint_time));
   }
   // Serving jobs (the ones that have not ended).
   std::vector<std::pair<std::string, ServingStats>> serving;
   for (const auto& [id, e] : jobs_) {
-    if (e.serving != nullptr && !Terminal(e.job.state())) serving.emplace_back(id, e.serving->Stats());
+    if (e.serving != nullptr && !IsTerminal(e.job.state())) serving.emplace_back(id, e.serving->Stats());
   }
   x.Family("pippy_serving_requests_total", "counter", "Requests a serving job answered, by outcome");
   for (const auto& [id, s] : serving) {

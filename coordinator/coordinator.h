@@ -61,6 +61,7 @@
 #include "coordinator/job_store.h"
 #include "coordinator/serving.h"
 #include "coordinator/task_runner.h"
+#include "common/device.h"
 #include "common/metrics.h"
 #include "proto/coordinator.pb.h"
 
@@ -133,7 +134,8 @@ class Coordinator {
   std::string MetricsText();
 
   // ---- workers ----
-  std::string AddWorker(const RegisterWorker& info, std::shared_ptr<WorkerChannel> channel);
+  // Registers a worker; its id. Errors: INVALID_ARGUMENT for a device that does not parse.
+  absl::StatusOr<std::string> AddWorker(const RegisterWorker& info, std::shared_ptr<WorkerChannel> channel);
   void RemoveWorker(const std::string& worker_id, const std::string& why);
   void OnWorkerMessage(const std::string& worker_id, const WorkerMessage& message);
 
@@ -170,6 +172,7 @@ class Coordinator {
   struct WorkerEntry {
     int attempt = 0;  // of the job it holds
     WorkerInfo info;
+    Device device;  // info.device(), parsed once at registration
     std::shared_ptr<WorkerChannel> channel;
     absl::Time last_heartbeat;
   };

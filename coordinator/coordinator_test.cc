@@ -163,7 +163,7 @@ class CoordinatorTest : public ::testing::Test {
     reg.set_device(device);
     reg.set_free_memory(free_memory);
     if (device != "cpu") reg.set_device_name("Fake GPU");
-    ids_.push_back(coordinator_->AddWorker(reg, w));
+    ids_.push_back(*coordinator_->AddWorker(reg, w));
     return w;
   }
 
@@ -175,7 +175,7 @@ class CoordinatorTest : public ::testing::Test {
       RegisterWorker reg;
       reg.set_name(absl::StrCat("w", ids_.size()));
       if (i < static_cast<int>(previous.size())) reg.set_worker_id(previous[i]);
-      ids_.push_back(coordinator_->AddWorker(reg, w));
+      ids_.push_back(*coordinator_->AddWorker(reg, w));
       out.push_back(w);
     }
     return out;

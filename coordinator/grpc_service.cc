@@ -7,6 +7,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/log.h"
 #include "coordinator/artifact_store.h"
+#include "proto/job_state.h"
 
 namespace pippy::coordinator {
 namespace {
@@ -45,8 +46,6 @@ ProgressEvent EventOf(const Job& job) {
                                                                 : job.history(job.history_size() - 1).message());
   return e;
 }
-
-bool Terminal(JobState s) { return s == SUCCEEDED || s == FAILED || s == CANCELLED; }
 
 }  // namespace
 
@@ -152,7 +151,7 @@ grpc::Status CoordinatorGrpc::WatchJob(grpc::ServerContext* context, const Watch
     auto job = logic_->WaitForChange(request->job_id(), &version, absl::Seconds(1));
     if (!job.ok()) return ToGrpc(job.status());
     if (version != before && !writer->Write(EventOf(*job))) break;
-    if (Terminal(job->state())) break;
+    if (IsTerminal(job->state())) break;
   }
   return grpc::Status::OK;
 }
@@ -324,7 +323,13 @@ grpc::Status WorkerHubGrpc::Connect(grpc::ServerContext* context,
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "register: the first message must register the worker");
   }
   auto channel = std::make_shared<StreamChannel>(stream);
-  const std::string id = logic_->AddWorker(m.register_(), channel);
+  const absl::StatusOr<std::string> added = logic_->AddWorker(m.register_(), channel);
+  if (!added.ok()) {
+    channel->Close();
+    log::Warn("a worker from {} was refused: {}", context->peer(), added.status().message());
+    return ToGrpc(added.status());
+  }
+  const std::string& id = *added;
   while (stream->Read(&m)) logic_->OnWorkerMessage(id, m);
   channel->Close();
   logic_->RemoveWorker(id, "disconnected (its stream to the coordinator broke)");

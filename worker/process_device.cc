@@ -17,4 +17,9 @@ absl::StatusOr<Device> ProcessDevice(absl::string_view flag) {
   return device;
 }
 
+c10::Device TorchDevice(const Device& device) {
+  return device.is_gpu() ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device.index))
+                         : c10::Device(c10::kCPU);
+}
+
 }  // namespace pippy::worker

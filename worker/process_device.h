@@ -6,6 +6,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "c10/core/Device.h"
 #include "common/device.h"
 
 namespace pippy::worker {
@@ -13,6 +14,9 @@ namespace pippy::worker {
 // Errors: INVALID_ARGUMENT as ParseDevice and CheckDevice say (the flag's forms; a
 // LibTorch without CUDA, naming how to build with one; an ordinal beyond the GPUs).
 absl::StatusOr<Device> ProcessDevice(absl::string_view flag);
+
+// LibTorch's name for `device`. REQUIRES: not Kind::kAuto (ProcessDevice resolved it).
+c10::Device TorchDevice(const Device& device);
 
 }  // namespace pippy::worker
 

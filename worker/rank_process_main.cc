@@ -119,7 +119,7 @@ absl::Status Run(const Flags& f) {
   PIPPY_ASSIGN_OR_RETURN(Precision precision, job::ParsePrecision(f.dtype));
   spec.set_precision(precision);
   PIPPY_ASSIGN_OR_RETURN(Device dev, worker::ProcessDevice(f.device));
-  const c10::Device device(dev.ToString());
+  const c10::Device device = worker::TorchDevice(dev);
   spec.set_steps(f.steps);
   spec.set_batch_size(f.batch_size);
   spec.set_seed(f.seed);
@@ -184,16 +184,16 @@ int main(int argc, char** argv) {
   app.add_option("--world", f.world, "number of ranks")->required()->check(cli::Positive());
   app.add_option("--rendezvous", f.rendezvous, "a folder shared by the ranks, where they publish addresses")->required();
   app.add_option("--stages-dir", f.stages_dir, "stage_N.pt and plan.json from pippyctl split --out")->required();
-  app.add_option("--schedule", f.schedule, "gpipe | 1f1b | interleaved-1f1b | looped-bfs | zb1p | zbv | inference")
-      ->required();
+  cli::AddNameOption<ScheduleKind>(&app, "--schedule", &f.schedule, "schedule", "pipeline schedule")->required();
   app.add_option("--stages-per-rank", f.stages_per_rank, "0: the schedule's default")->check(cli::NonNegative());
   app.add_option("--microbatches", f.microbatches, "micro-batches per step")->required()->check(cli::Positive());
   app.add_option("--batch-size", f.batch_size, "samples per step")->required()->check(cli::Positive());
   app.add_option("--steps", f.steps, "steps to run")->check(cli::Positive())->capture_default_str();
   app.add_option("--data", f.data, "torch.save({\"inputs\": ..., \"targets\": ...})")->required();
   app.add_option("--out", f.out, "where the trained stages are written")->required();
-  app.add_option("--loss", f.loss, "mse | cross_entropy | model")->capture_default_str();
-  app.add_option("--optimizer", f.optimizer, "sgd | adam | adamw")->capture_default_str();
+  cli::AddNameOption<LossKind>(&app, "--loss", &f.loss, "loss", "the loss, on the last stage")->capture_default_str();
+  cli::AddNameOption<OptimizerKind>(&app, "--optimizer", &f.optimizer, "optimizer", "the optimizer")
+      ->capture_default_str();
   app.add_option("--lr", f.lr, "learning rate")->check(cli::Positive())->capture_default_str();
   app.add_option("--momentum", f.momentum, "sgd momentum")->check(cli::NonNegative())->capture_default_str();
   app.add_option("--weight-decay", f.weight_decay, "default: torch's (0.01 for adamw, else 0)")
@@ -201,8 +201,7 @@ int main(int argc, char** argv) {
   app.add_option("--clip-grad-norm", f.clip, "global gradient-norm clipping; 0: none")->check(cli::NonNegative())->capture_default_str();
   app.add_option("--seed", f.seed, "seeds this rank's random number generator (seed + rank)")->capture_default_str();
   app.add_option("--tls", f.tls, "UCX transports, e.g. sm,self or tcp,self")->capture_default_str();
-  app.add_option("--dtype", f.dtype, "fp32 | bf16 (autocast to bfloat16, fp32 weights and optimizer state)")
-      ->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
+  cli::AddNameOption<Precision>(&app, "--dtype", &f.dtype, "dtype", "compute precision")->capture_default_str();
   app.add_option("--device", f.device, "cpu | cuda:N | auto: where the stages run")->capture_default_str();
   app.add_option("--timeout-s", f.timeout_s, "deadline of the rendezvous and of every wait in a step")
       ->check(cli::Positive())->capture_default_str();

@@ -38,6 +38,7 @@
 #include "torch/csrc/jit/runtime/graph_executor.h"
 #include "torch/csrc/jit/serialization/pickle.h"
 #include "worker/process_device.h"
+#include "worker/report_builder.h"
 
 namespace pippy::worker {
 namespace {
@@ -90,7 +91,7 @@ class HealthService : public grpc::health::v1::Health::Service {
 
 class Agent {
  public:
-  explicit Agent(const AgentOptions& o) : options_(o) {}
+  Agent(const AgentOptions& o, Device device) : options_(o), device_(device), torch_device_(TorchDevice(device)) {}
 
   // Serves the coordinator; when the connection is lost, stops the rank it runs (the
   // coordinator restarts the job from its checkpoint) and dials again with backoff,
@@ -186,19 +187,18 @@ class Agent {
     gethostname(host, sizeof(host) - 1);
     r->set_name(options_.name.empty() ? absl::StrCat(host, ":", getpid()) : options_.name);
     r->set_host(host);
-    r->set_device(options_.device);
+    r->set_device(device_.ToString());
     r->set_version(kVersion);
     r->set_threads(options_.threads);
     r->set_free_memory(static_cast<int64_t>(sysconf(_SC_AVPHYS_PAGES)) * sysconf(_SC_PAGESIZE));
-    const c10::Device device(options_.device);
-    if (device.is_cuda()) {
+    if (device_.is_gpu()) {
       // A GPU worker: placement counts the device's memory, as free now.
-      absl::StatusOr<transport::nccl::DeviceInfo> info = transport::nccl::GetDeviceInfo(device.index());
+      absl::StatusOr<transport::nccl::DeviceInfo> info = transport::nccl::GetDeviceInfo(device_.index);
       if (info.ok()) {
         r->set_free_memory(info->free_bytes);
         r->set_device_name(info->name);
       } else {
-        log::Warn("{}: {}; registering without its free memory", options_.device, info.status().message());
+        log::Warn("{}: {}; registering without its free memory", device_.ToString(), info.status().message());
         r->set_free_memory(0);
       }
     }
@@ -598,10 +598,10 @@ class Agent {
     const JobSpec& spec = a.spec();
     log::Info("job={} rank={} of {}: received {} bytes; loading stage(s)", a.job_id(), a.rank(), a.world_size(),
               in.bytes_received);
-    if (std::max(1, spec.replicas()) > 1 && IsGpuDevice(options_.device)) {
+    if (std::max(1, spec.replicas()) > 1 && device_.is_gpu()) {
       return absl::UnimplementedError(absl::StrCat("data parallelism (replicas ", spec.replicas(), ") runs on CPU "
                                                    "workers only (the replicas' all-reduce is gloo over TCP); this "
-                                                   "worker's device is ", options_.device,
+                                                   "worker's device is ", device_.ToString(),
                                                    ": submit without --replicas, or to workers started with "
                                                    "--device cpu"));
     }
@@ -622,7 +622,7 @@ class Agent {
     PIPPY_ASSIGN_OR_RETURN(stage::DataSource data, stage::DataSource::FromShareBytes(in.data, input_names));
     std::string().swap(in.data);
 
-    const c10::Device device(options_.device);
+    const c10::Device device = torch_device_;
     transport::ucx::Options uo;
     if (!options_.ucx_tls.empty()) uo.ucx_config = {{"TLS", options_.ucx_tls}};
     uo.receive_buffer = transport::staging::ReceiveBuffersFor(device);  // pinned on a GPU
@@ -691,49 +691,19 @@ class Agent {
       PIPPY_ASSIGN_OR_RETURN(stage::StepResult res, rank_job->RunStep(step, data));
       if (inference && !res.output.isNone()) outputs.push_back(res.output);
       WorkerMessage rep;
-      StepReport* sr = rep.mutable_step();
-      sr->set_job_id(a.job_id());
-      sr->set_rank(a.rank());
-      sr->set_step(step);
-      sr->set_attempt(a.attempt());
-      sr->set_replica(a.replica());
-      sr->set_has_loss(res.has_loss);
-      sr->set_loss(res.loss);
-      sr->set_busy_seconds(res.busy_seconds);
-      sr->set_step_seconds(res.step_seconds);
-      StepBreakdown* bd = sr->mutable_breakdown();
-      bd->set_rank(a.rank());
-      bd->set_step_seconds(res.step_seconds);
-      bd->set_compute_seconds(res.breakdown.compute_seconds);
-      bd->set_wait_seconds(res.breakdown.wait_seconds);
-      bd->set_transport_seconds(res.breakdown.transport_seconds);
-      bd->set_optimizer_seconds(res.breakdown.optimizer_seconds);
-      bd->set_other_seconds(res.breakdown.other_seconds);
-      bd->set_replica(a.replica());
-      bd->set_allreduce_seconds(res.breakdown.allreduce_seconds);
-      bd->set_allreduce_wait_seconds(res.breakdown.allreduce_wait_seconds);
-      for (const stage::TraceEvent& t : res.trace) {
-        TraceEvent* e = sr->add_events();
-        e->set_name(t.name);
-        e->set_stage(t.stage);
-        e->set_begin_us(t.begin_us);
-        e->set_duration_us(t.duration_us);
-        e->set_bytes(t.bytes);
-        e->set_wait_us(t.wait_us);
-      }
       // Read together: the trace's steady-clock times become wall-clock times.
-      sr->set_steady_anchor_us(std::chrono::duration_cast<std::chrono::microseconds>(
-                                   std::chrono::steady_clock::now().time_since_epoch())
-                                   .count());
-      sr->set_unix_anchor_us(absl::ToUnixMicros(absl::Now()));
+      *rep.mutable_step() = BuildStepReport(a, step, res,
+                                            std::chrono::duration_cast<std::chrono::microseconds>(
+                                                std::chrono::steady_clock::now().time_since_epoch())
+                                                .count(),
+                                            absl::ToUnixMicros(absl::Now()));
       Write(rep);
       log::Info("job={} rank={} step={}{}", a.job_id(), a.rank(), step,
                 res.has_loss ? absl::StrCat(" loss=", res.loss) : "");
       ++steps_total_;
-      for (const stage::TraceEvent& t : res.trace) {
-        if (t.name.find("SEND") != std::string::npos) bytes_sent_ += t.bytes;
-        if (t.name.find("RECV") != std::string::npos) bytes_received_ += t.bytes;
-      }
+      const TransferBytes moved = TransferBytesOf(res);
+      bytes_sent_ += moved.sent;
+      bytes_received_ += moved.received;
       allreduce_us_ += static_cast<int64_t>(res.breakdown.allreduce_seconds * 1e6);
       {
         absl::MutexLock lock(&metrics_mu_);
@@ -755,6 +725,8 @@ class Agent {
   }
 
   const AgentOptions options_;
+  const Device device_;             // resolved and checked (ProcessDevice)
+  const c10::Device torch_device_;  // the same, as LibTorch names it
   std::unique_ptr<grpc::ClientReaderWriter<WorkerMessage, CoordinatorMessage>> stream_;
   absl::Mutex write_mu_;  // one writer at a time on the stream
   absl::Mutex mu_;
@@ -787,17 +759,15 @@ class Agent {
 
 absl::Status RunAgent(const AgentOptions& options) {
   PIPPY_ASSIGN_OR_RETURN(Device device, ProcessDevice(options.device));
-  AgentOptions o = options;
-  o.device = device.ToString();
-  if (device.kind == Device::Kind::kCuda) {
+  if (device.is_gpu()) {
     // The stages run there: this build must reach the device (CUDA runtime, NCCL).
     PIPPY_ASSIGN_OR_RETURN(transport::nccl::DeviceInfo info, transport::nccl::GetDeviceInfo(device.index));
-    log::Info("device {} ({}, {} MiB free of {} MiB)", o.device, info.name, info.free_bytes >> 20,
+    log::Info("device {} ({}, {} MiB free of {} MiB)", device.ToString(), info.name, info.free_bytes >> 20,
               info.total_bytes >> 20);
   } else {
-    log::Info("device {}{}", o.device, options.device == "auto" ? " (auto: this LibTorch sees no GPU)" : "");
+    log::Info("device {}{}", device.ToString(), options.device == "auto" ? " (auto: this LibTorch sees no GPU)" : "");
   }
-  Agent agent(o);
+  Agent agent(options, device);
   return agent.Run();
 }
 

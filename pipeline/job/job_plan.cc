@@ -99,7 +99,7 @@ absl::StatusOr<schedule::Schedule> ScheduleFor(const JobSpec& spec, const Pipeli
   opts.num_microbatches = spec.schedule().microbatches();
   opts.stages_per_rank = spec.schedule().stages_per_worker();
   opts.graph = StageGraphOf(plan);
-  auto sched = schedule::MakeSchedule(EngineSchedule(spec.schedule().kind()), opts);
+  auto sched = schedule::MakeSchedule(spec.schedule().kind(), opts);
   if (!sched.ok()) return absl::InvalidArgumentError(absl::StrCat("schedule: ", sched.status().message()));
   absl::Status valid = schedule::Validate(*sched);
   if (!valid.ok()) return absl::InvalidArgumentError(absl::StrCat("schedule: ", valid.message()));
@@ -161,9 +161,9 @@ std::vector<EdgeTransport> EdgeTransportsFor(const PipelinePlan& plan, const std
         const RankPlace& a = ranks[static_cast<size_t>(from)];
         const RankPlace& b = ranks[static_cast<size_t>(to)];
         EdgeTransport e{sp.index(), c, from, to, "ucx"};
-        if (IsGpuDevice(a.device) && IsGpuDevice(b.device)) {
+        if (a.device.is_gpu() && b.device.is_gpu()) {
           e.transport = use_nccl && !(a.host == b.host && a.device == b.device) ? "nccl" : "ucx+staging";
-        } else if (IsGpuDevice(a.device) || IsGpuDevice(b.device)) {
+        } else if (a.device.is_gpu() || b.device.is_gpu()) {
           e.transport = "ucx+staging";
         }
         edges.push_back(e);

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/device.h"
 #include "pipeline/schedule/schedule.h"
 #include "proto/job.pb.h"
 #include "proto/plan.pb.h"
@@ -55,10 +56,10 @@ PipelinePlan PlanSliceFor(const PipelinePlan& plan, const schedule::Schedule& sc
 // REQUIRES: CheckSpec(spec) passed; stage_to_rank covers the plan.
 int64_t RankMemoryBytes(const JobSpec& spec, const PipelinePlan& plan, const std::vector<int>& stage_to_rank, int rank);
 
-// Where a rank runs: the worker's host and its device ("cpu", "cuda:N").
+// Where a rank runs: the worker's host and its device.
 struct RankPlace {
   std::string host;
-  std::string device;
+  Device device;
 };
 
 // How activations and gradients cross one edge of the stage graph between two ranks:

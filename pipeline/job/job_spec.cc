@@ -7,51 +7,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "proto/names.h"
 
 namespace pippy::job {
 namespace {
-
-template <typename E>
-using NameTable = std::vector<std::pair<E, const char*>>;
-
-const NameTable<LossKind>& Losses() {
-  static const auto* t = new NameTable<LossKind>{
-      {LOSS_MSE, "mse"}, {LOSS_CROSS_ENTROPY, "cross_entropy"}, {LOSS_MODEL, "model"}};
-  return *t;
-}
-const NameTable<OptimizerKind>& Optimizers() {
-  static const auto* t = new NameTable<OptimizerKind>{
-      {OPTIMIZER_SGD, "sgd"}, {OPTIMIZER_ADAM, "adam"}, {OPTIMIZER_ADAMW, "adamw"}};
-  return *t;
-}
-const NameTable<Precision>& Precisions() {
-  static const auto* t = new NameTable<Precision>{{PRECISION_FP32, "fp32"}, {PRECISION_BF16, "bf16"}};
-  return *t;
-}
-const NameTable<Balance>& Balances() {
-  static const auto* t =
-      new NameTable<Balance>{{BALANCE_PARAMS, "params"}, {BALANCE_FLOPS, "flops"}, {BALANCE_TIME, "time"}};
-  return *t;
-}
-
-template <typename E>
-absl::StatusOr<E> Lookup(const NameTable<E>& table, absl::string_view name, absl::string_view what) {
-  std::vector<std::string> names;
-  for (const auto& [value, n] : table) {
-    if (name == n) return value;
-    names.push_back(n);
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown ", what, " '", name, "': use ", absl::StrJoin(names, ", ")));
-}
-
-template <typename E>
-std::string NameOf(const NameTable<E>& table, E value) {
-  for (const auto& [v, n] : table) {
-    if (v == value) return n;
-  }
-  return "unspecified";
-}
 
 absl::Status Bad(absl::string_view field, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
@@ -60,64 +19,24 @@ absl::Status Bad(absl::string_view field, absl::string_view what) {
 }  // namespace
 
 absl::StatusOr<ScheduleKind> ParseSchedule(absl::string_view name) {
-  auto kind = schedule::ParseScheduleKind(std::string(name));
-  if (!kind.ok()) return kind.status();
-  switch (*kind) {
-    case schedule::ScheduleKind::kGPipe: return SCHEDULE_GPIPE;
-    case schedule::ScheduleKind::k1F1B: return SCHEDULE_1F1B;
-    case schedule::ScheduleKind::kInterleaved1F1B: return SCHEDULE_INTERLEAVED_1F1B;
-    case schedule::ScheduleKind::kLoopedBFS: return SCHEDULE_LOOPED_BFS;
-    case schedule::ScheduleKind::kInterleavedZeroBubble: return SCHEDULE_ZB1P;
-    case schedule::ScheduleKind::kZBV: return SCHEDULE_ZBV;
-    case schedule::ScheduleKind::kForwardOnly: return SCHEDULE_INFERENCE;
-  }
-  return absl::InternalError("unmapped schedule kind");
+  return names::Parse<ScheduleKind>("schedule", name);
 }
-
-schedule::ScheduleKind EngineSchedule(ScheduleKind kind) {
-  switch (kind) {
-    case SCHEDULE_GPIPE: return schedule::ScheduleKind::kGPipe;
-    case SCHEDULE_1F1B: return schedule::ScheduleKind::k1F1B;
-    case SCHEDULE_INTERLEAVED_1F1B: return schedule::ScheduleKind::kInterleaved1F1B;
-    case SCHEDULE_LOOPED_BFS: return schedule::ScheduleKind::kLoopedBFS;
-    case SCHEDULE_ZB1P: return schedule::ScheduleKind::kInterleavedZeroBubble;
-    case SCHEDULE_ZBV: return schedule::ScheduleKind::kZBV;
-    case SCHEDULE_INFERENCE: return schedule::ScheduleKind::kForwardOnly;
-    default: break;
-  }
-  // CheckSpec refuses UNSPECIFIED before anything asks.
-  return schedule::ScheduleKind::kGPipe;
-}
-
-std::string ScheduleName(ScheduleKind kind) {
-  if (kind == SCHEDULE_KIND_UNSPECIFIED || !ScheduleKind_IsValid(kind)) return "unspecified";
-  return schedule::ScheduleKindName(EngineSchedule(kind));
-}
-
-absl::StatusOr<LossKind> ParseLoss(absl::string_view name) { return Lookup(Losses(), name, "loss"); }
-std::string LossName(LossKind loss) { return NameOf(Losses(), loss); }
+std::string ScheduleName(ScheduleKind kind) { return names::Name(kind); }
+absl::StatusOr<LossKind> ParseLoss(absl::string_view name) { return names::Parse<LossKind>("loss", name); }
+std::string LossName(LossKind loss) { return names::Name(loss); }
 absl::StatusOr<OptimizerKind> ParseOptimizer(absl::string_view name) {
-  return Lookup(Optimizers(), name, "optimizer");
+  return names::Parse<OptimizerKind>("optimizer", name);
 }
-std::string OptimizerName(OptimizerKind optimizer) { return NameOf(Optimizers(), optimizer); }
-absl::StatusOr<Precision> ParsePrecision(absl::string_view name) {
-  return Lookup(Precisions(), name, "--dtype");
-}
+std::string OptimizerName(OptimizerKind optimizer) { return names::Name(optimizer); }
+absl::StatusOr<Precision> ParsePrecision(absl::string_view name) { return names::Parse<Precision>("--dtype", name); }
 std::string PrecisionName(Precision precision) {
-  return NameOf(Precisions(), precision == PRECISION_UNSPECIFIED ? PRECISION_FP32 : precision);
+  return names::Name(precision == PRECISION_UNSPECIFIED ? PRECISION_FP32 : precision);
 }
-absl::StatusOr<Balance> ParseBalance(absl::string_view name) { return Lookup(Balances(), name, "--balance"); }
+absl::StatusOr<Balance> ParseBalance(absl::string_view name) { return names::Parse<Balance>("--balance", name); }
 std::string BalanceName(Balance balance) {
-  return NameOf(Balances(), balance == BALANCE_UNSPECIFIED ? BALANCE_PARAMS : balance);
+  return names::Name(balance == BALANCE_UNSPECIFIED ? BALANCE_PARAMS : balance);
 }
-
-std::string ModeName(Mode mode) {
-  switch (mode) {
-    case MODE_TRAIN: return "train";
-    case MODE_INFERENCE: return "inference";
-    default: return "unspecified";
-  }
-}
+std::string ModeName(Mode mode) { return names::Name(mode); }
 
 double DefaultWeightDecay(OptimizerKind optimizer) { return optimizer == OPTIMIZER_ADAMW ? 0.01 : 0.0; }
 
@@ -188,7 +107,7 @@ absl::Status CheckSpec(JobSpec* spec) {
   }
   if (sched->stages_per_worker() < 0) return Bad("schedule.stages_per_worker", "must not be negative");
   if (sched->stages_per_worker() == 0) {
-    sched->set_stages_per_worker(schedule::DefaultStagesPerRank(EngineSchedule(sched->kind())));
+    sched->set_stages_per_worker(schedule::DefaultStagesPerRank(sched->kind()));
   }
   if (!Precision_IsValid(spec->precision())) return Bad("precision", "use fp32 or bf16");
   if (spec->precision() == PRECISION_UNSPECIFIED) spec->set_precision(PRECISION_FP32);

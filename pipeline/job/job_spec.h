@@ -1,8 +1,10 @@
 // The job spec's vocabulary and its checks, written once.
 //
 // Clients parse what users type ("1f1b", "adamw", "cross_entropy") into the spec's
-// enums here; the coordinator checks a submitted spec with CheckSpec, once, and from
-// then on everything takes the typed spec. Nothing downstream compares names.
+// enums here (the names and their help are the table on the enum values in
+// proto/job.proto, read through proto/names.h); the coordinator checks a submitted
+// spec with CheckSpec, once, and from then on everything takes the typed spec.
+// Nothing downstream compares names.
 #ifndef PIPPY_PIPELINE_JOB_JOB_SPEC_H_
 #define PIPPY_PIPELINE_JOB_JOB_SPEC_H_
 
@@ -19,8 +21,6 @@ namespace pippy::job {
 // inference) and torch's class names. Errors: INVALID_ARGUMENT listing the names.
 absl::StatusOr<ScheduleKind> ParseSchedule(absl::string_view name);
 std::string ScheduleName(ScheduleKind kind);  // "1f1b"; "unspecified" for 0
-// The engine's enum for a schedule kind. REQUIRES: kind is not UNSPECIFIED.
-schedule::ScheduleKind EngineSchedule(ScheduleKind kind);
 
 // "mse" | "cross_entropy" | "model".
 absl::StatusOr<LossKind> ParseLoss(absl::string_view name);

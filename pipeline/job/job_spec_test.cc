@@ -244,6 +244,9 @@ PipelinePlan ChainWithSkip() {
   return plan;
 }
 
+// A rank on `host` with the device `device` ("cpu", "cuda:N").
+RankPlace P(const std::string& host, const std::string& device) { return {host, *ParseDevice(device)}; }
+
 TEST(EdgeTransportsFor, ChoosesPerPairOfRanks) {
   const PipelinePlan plan = ChainWithSkip();
   const std::vector<int> stage_to_rank = {0, 1, 2, 3};
@@ -256,11 +259,11 @@ TEST(EdgeTransportsFor, ChoosesPerPairOfRanks) {
   };
   using V = std::vector<std::string>;
   // CPU workers: UCX everywhere (the skip connection is an edge of its own).
-  EXPECT_EQ(kinds({{"a", "cpu"}, {"a", "cpu"}, {"b", "cpu"}, {"b", "cpu"}}),
+  EXPECT_EQ(kinds({P("a", "cpu"), P("a", "cpu"), P("b", "cpu"), P("b", "cpu")}),
             (V{"0->1 ucx", "0->2 ucx", "1->2 ucx", "2->3 ucx"}));
   // GPUs: NCCL between different GPUs (same host or not); two workers sharing a GPU,
   // and a GPU rank next to a CPU rank, stage through host memory over UCX.
-  const std::vector<RankPlace> gpus = {{"a", "cuda:0"}, {"a", "cuda:1"}, {"b", "cuda:0"}, {"b", "cuda:0"}};
+  const std::vector<RankPlace> gpus = {P("a", "cuda:0"), P("a", "cuda:1"), P("b", "cuda:0"), P("b", "cuda:0")};
   EXPECT_EQ(kinds(gpus), (V{"0->1 ucx+staging", "0->2 ucx+staging", "1->2 ucx+staging", "2->3 ucx+staging"}))
       << "workers do not run NCCL in jobs yet (kJobsUseNccl)";
   std::vector<std::string> with_nccl;
@@ -268,10 +271,10 @@ TEST(EdgeTransportsFor, ChoosesPerPairOfRanks) {
     with_nccl.push_back(absl::StrCat(e.from_stage, "->", e.to_stage, " ", e.transport));
   }
   EXPECT_EQ(with_nccl, (V{"0->1 nccl", "0->2 nccl", "1->2 nccl", "2->3 ucx+staging"}));
-  EXPECT_EQ(kinds({{"a", "cuda:0"}, {"a", "cpu"}, {"a", "cuda:0"}, {"b", "cpu"}}),
+  EXPECT_EQ(kinds({P("a", "cuda:0"), P("a", "cpu"), P("a", "cuda:0"), P("b", "cpu")}),
             (V{"0->1 ucx+staging", "0->2 ucx+staging", "1->2 ucx+staging", "2->3 ucx+staging"}));
   // Stages on the same rank are no edge.
-  auto same = EdgeTransportsFor(plan, {0, 0, 1, 1}, {{"a", "cpu"}, {"a", "cpu"}});
+  auto same = EdgeTransportsFor(plan, {0, 0, 1, 1}, {P("a", "cpu"), P("a", "cpu")});
   ASSERT_EQ(same.size(), 2u);
   EXPECT_EQ(same[0].from_stage, 0);
   EXPECT_EQ(same[0].to_stage, 2);

@@ -37,6 +37,10 @@ struct Action {
 
   bool IsCompute() const;
   bool IsComm() const { return !IsCompute(); }
+  bool IsSend() const { return IsSend(type); }
+  bool IsRecv() const { return IsRecv(type); }
+  static bool IsSend(ActionType t) { return t == ActionType::kSendForward || t == ActionType::kSendBackward; }
+  static bool IsRecv(ActionType t) { return t == ActionType::kRecvForward || t == ActionType::kRecvBackward; }
   std::string ToString() const;  // "0F3"
   bool operator==(const Action& o) const {
     return stage == o.stage && type == o.type && microbatch == o.microbatch;

@@ -7,6 +7,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "proto/names.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
@@ -235,40 +236,11 @@ bool Schedule::HasCommunication() const {
   return false;
 }
 
-absl::StatusOr<ScheduleKind> ParseScheduleKind(const std::string& name) {
-  std::string n = absl::AsciiStrToLower(name);
-  n.erase(std::remove(n.begin(), n.end(), '-'), n.end());
-  n.erase(std::remove(n.begin(), n.end(), '_'), n.end());
-  if (n == "gpipe") return ScheduleKind::kGPipe;
-  if (n == "1f1b") return ScheduleKind::k1F1B;
-  if (n == "interleaved1f1b") return ScheduleKind::kInterleaved1F1B;
-  if (n == "loopedbfs") return ScheduleKind::kLoopedBFS;
-  if (n == "zb1p" || n == "interleavedzerobubble") return ScheduleKind::kInterleavedZeroBubble;
-  if (n == "zbv" || n == "zbvzerobubble") return ScheduleKind::kZBV;
-  if (n == "inference" || n == "forwardonly") return ScheduleKind::kForwardOnly;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown schedule '", name,
-      "': use gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb1p, zbv or inference"));
-}
-
-std::string ScheduleKindName(ScheduleKind kind) {
-  switch (kind) {
-    case ScheduleKind::kGPipe: return "gpipe";
-    case ScheduleKind::k1F1B: return "1f1b";
-    case ScheduleKind::kInterleaved1F1B: return "interleaved-1f1b";
-    case ScheduleKind::kLoopedBFS: return "looped-bfs";
-    case ScheduleKind::kInterleavedZeroBubble: return "zb1p";
-    case ScheduleKind::kZBV: return "zbv";
-    case ScheduleKind::kForwardOnly: return "inference";
-  }
-  return "";
-}
-
 int DefaultStagesPerRank(ScheduleKind kind) {
   switch (kind) {
-    case ScheduleKind::kInterleaved1F1B:
-    case ScheduleKind::kLoopedBFS:
-    case ScheduleKind::kZBV:
+    case SCHEDULE_INTERLEAVED_1F1B:
+    case SCHEDULE_LOOPED_BFS:
+    case SCHEDULE_ZBV:
       return 2;
     default:
       return 1;
@@ -278,32 +250,32 @@ int DefaultStagesPerRank(ScheduleKind kind) {
 std::vector<int> Placement(ScheduleKind kind, int num_ranks, int num_stages) {
   std::vector<int> out(num_stages);
   for (int s = 0; s < num_stages; ++s) {
-    out[s] = kind == ScheduleKind::kZBV ? (s < num_ranks ? s : 2 * num_ranks - 1 - s) : s % num_ranks;
+    out[s] = kind == SCHEDULE_ZBV ? (s < num_ranks ? s : 2 * num_ranks - 1 - s) : s % num_ranks;
   }
   return out;
 }
 
 absl::StatusOr<Schedule> MakeSchedule(ScheduleKind kind, const ScheduleOptions& options) {
   const int R = options.num_ranks, m = options.num_microbatches;
-  const std::string name = ScheduleKindName(kind);
+  const std::string name = names::Name(kind);
   if (R < 1) return absl::InvalidArgumentError("a schedule needs at least 1 rank");
   if (m < 1) return absl::InvalidArgumentError("a schedule needs at least 1 micro-batch");
   int v = options.stages_per_rank > 0 ? options.stages_per_rank : DefaultStagesPerRank(kind);
-  if ((kind == ScheduleKind::kGPipe || kind == ScheduleKind::k1F1B) && v != 1) {
+  if ((kind == SCHEDULE_GPIPE || kind == SCHEDULE_1F1B) && v != 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         name, " runs one stage per rank (asked for ", v,
         "); use interleaved-1f1b, looped-bfs or zb1p for several"));
   }
-  if (kind == ScheduleKind::kZBV && v != 2) {
+  if (kind == SCHEDULE_ZBV && v != 2) {
     return absl::InvalidArgumentError(absl::StrCat("zbv runs exactly 2 stages per rank (asked for ", v, ")"));
   }
-  if ((kind == ScheduleKind::k1F1B || kind == ScheduleKind::kInterleavedZeroBubble ||
-       kind == ScheduleKind::kZBV) && m < R) {
+  if ((kind == SCHEDULE_1F1B || kind == SCHEDULE_ZB1P ||
+       kind == SCHEDULE_ZBV) && m < R) {
     return absl::InvalidArgumentError(absl::StrCat(
         name, " needs at least as many micro-batches as ranks (", m, " < ", R,
         "): use --microbatches ", R, " or more, or gpipe"));
   }
-  if (kind == ScheduleKind::kInterleaved1F1B && m % R != 0) {
+  if (kind == SCHEDULE_INTERLEAVED_1F1B && m % R != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "interleaved-1f1b needs micro-batches to be a multiple of ranks (", m, " micro-batches, ", R,
         " ranks): use --microbatches ", ((m + R - 1) / R) * R));
@@ -313,7 +285,7 @@ absl::StatusOr<Schedule> MakeSchedule(ScheduleKind kind, const ScheduleOptions& 
   sc.num_ranks = R;
   sc.num_stages = R * v;
   sc.num_microbatches = m;
-  sc.forward_only = kind == ScheduleKind::kForwardOnly;
+  sc.forward_only = kind == SCHEDULE_INFERENCE;
   sc.graph = options.graph.num_stages() > 0 ? options.graph : StageGraph::Chain(sc.num_stages);
   if (sc.graph.num_stages() != sc.num_stages) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -323,14 +295,14 @@ absl::StatusOr<Schedule> MakeSchedule(ScheduleKind kind, const ScheduleOptions& 
   sc.stage_to_rank = Placement(kind, R, sc.num_stages);
   sc.ranks.assign(R, {});
   switch (kind) {
-    case ScheduleKind::kGPipe: GPipe(&sc); break;
-    case ScheduleKind::k1F1B: OneFOneB(&sc); break;
-    case ScheduleKind::kInterleaved1F1B: Interleaved1F1B(&sc, v); break;
-    case ScheduleKind::kLoopedBFS: LoopedBFS(&sc); break;
-    case ScheduleKind::kForwardOnly: ForwardOnly(&sc); break;
-    case ScheduleKind::kInterleavedZeroBubble:
-    case ScheduleKind::kZBV: {
-      absl::Status s = ZeroBubble(&sc, kind == ScheduleKind::kZBV);
+    case SCHEDULE_GPIPE: GPipe(&sc); break;
+    case SCHEDULE_1F1B: OneFOneB(&sc); break;
+    case SCHEDULE_INTERLEAVED_1F1B: Interleaved1F1B(&sc, v); break;
+    case SCHEDULE_LOOPED_BFS: LoopedBFS(&sc); break;
+    case SCHEDULE_INFERENCE: ForwardOnly(&sc); break;
+    case SCHEDULE_ZB1P:
+    case SCHEDULE_ZBV: {
+      absl::Status s = ZeroBubble(&sc, kind == SCHEDULE_ZBV);
       if (!s.ok()) return s;
       break;
     }

@@ -19,6 +19,7 @@
 
 #include "absl/status/statusor.h"
 #include "pipeline/schedule/action.h"
+#include "proto/job.pb.h"
 
 namespace pippy::schedule {
 
@@ -32,21 +33,8 @@ struct StageGraph {
   std::vector<int> Producers(int stage) const;
 };
 
-enum class ScheduleKind {
-  kGPipe,
-  k1F1B,
-  kInterleaved1F1B,
-  kLoopedBFS,
-  kInterleavedZeroBubble,  // ZB1P
-  kZBV,
-  kForwardOnly,
-};
-
-// Accepts pippy's names (gpipe, 1f1b, interleaved-1f1b, looped-bfs, zb1p, zbv,
-// inference) and torch's class names (GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
-// InterleavedZeroBubble, ZBVZeroBubble).
-absl::StatusOr<ScheduleKind> ParseScheduleKind(const std::string& name);
-std::string ScheduleKindName(ScheduleKind kind);
+// The kinds are the job spec's ScheduleKind (proto/job.proto); their names, as users
+// type them, are proto/names.h's (names::Parse<ScheduleKind>, names::Name).
 // Stages per rank the kind uses by default (1, or 2 for interleaved kinds and ZBV).
 int DefaultStagesPerRank(ScheduleKind kind);
 

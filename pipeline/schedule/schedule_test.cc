@@ -6,6 +6,7 @@
 #include "gtest/gtest.h"
 #include "pipeline/schedule/schedule.h"
 #include "pipeline/schedule/simulator.h"
+#include "proto/names.h"
 
 namespace pippy::schedule {
 namespace {
@@ -59,18 +60,18 @@ std::vector<KindCase> AllCases() {
   for (int r : {1, 2, 3, 4}) {
     std::set<int> mbs = {r, 2 * r, 8, 2 * r + 1};
     for (int m : mbs) {
-      out.push_back({ScheduleKind::kGPipe, r, m, 1});
-      out.push_back({ScheduleKind::k1F1B, r, m, 1});
-      out.push_back({ScheduleKind::kLoopedBFS, r, m, 2});
-      out.push_back({ScheduleKind::kLoopedBFS, r, m, 3});
-      out.push_back({ScheduleKind::kInterleavedZeroBubble, r, m, 1});
-      out.push_back({ScheduleKind::kInterleavedZeroBubble, r, m, 2});
-      out.push_back({ScheduleKind::kZBV, r, m, 2});
-      out.push_back({ScheduleKind::kForwardOnly, r, m, 1});
-      out.push_back({ScheduleKind::kForwardOnly, r, m, 2});
+      out.push_back({SCHEDULE_GPIPE, r, m, 1});
+      out.push_back({SCHEDULE_1F1B, r, m, 1});
+      out.push_back({SCHEDULE_LOOPED_BFS, r, m, 2});
+      out.push_back({SCHEDULE_LOOPED_BFS, r, m, 3});
+      out.push_back({SCHEDULE_ZB1P, r, m, 1});
+      out.push_back({SCHEDULE_ZB1P, r, m, 2});
+      out.push_back({SCHEDULE_ZBV, r, m, 2});
+      out.push_back({SCHEDULE_INFERENCE, r, m, 1});
+      out.push_back({SCHEDULE_INFERENCE, r, m, 2});
       if (m % r == 0) {
-        out.push_back({ScheduleKind::kInterleaved1F1B, r, m, 2});
-        out.push_back({ScheduleKind::kInterleaved1F1B, r, m, 3});
+        out.push_back({SCHEDULE_INTERLEAVED_1F1B, r, m, 2});
+        out.push_back({SCHEDULE_INTERLEAVED_1F1B, r, m, 3});
       }
     }
   }
@@ -79,20 +80,20 @@ std::vector<KindCase> AllCases() {
 
 INSTANTIATE_TEST_SUITE_P(Grid, EveryScheduleTest, testing::ValuesIn(AllCases()),
                          [](const testing::TestParamInfo<KindCase>& i) {
-                           std::string n = ScheduleKindName(i.param.kind);
+                           std::string n = names::Name(i.param.kind);
                            for (char& ch : n) if (ch == '-') ch = '_';
                            return n + "_r" + std::to_string(i.param.ranks) + "_m" + std::to_string(i.param.mbs) +
                                   "_v" + std::to_string(i.param.v);
                          });
 
 TEST(Bubble, GPipeAnd1F1B_MatchClosedForm) {
-  for (ScheduleKind kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B}) {
+  for (ScheduleKind kind : {SCHEDULE_GPIPE, SCHEDULE_1F1B}) {
     for (int p : {2, 4, 8}) {
       for (int m : {p, 8, 16}) {
         auto res = Simulate(Make(kind, p, m), Costs{1, 1, 0.0001});
         ASSERT_TRUE(res.ok());
         double want = static_cast<double>(p - 1) / (m + p - 1);
-        for (double b : res->bubble_fraction) EXPECT_NEAR(b, want, 1e-3) << ScheduleKindName(kind) << p << m;
+        for (double b : res->bubble_fraction) EXPECT_NEAR(b, want, 1e-3) << names::Name(kind) << p << m;
       }
     }
   }
@@ -102,8 +103,8 @@ TEST(Bubble, ZB1P_IdleIsAThirdOf1F1B_WithEqualFBW) {
   for (int p : {2, 4, 8}) {
     for (int m : {p, 2 * p, 16}) {
       Costs c{1, 1, 1};
-      auto zb = Simulate(Make(ScheduleKind::kInterleavedZeroBubble, p, m, 1), c);
-      auto ob = Simulate(Make(ScheduleKind::k1F1B, p, m), c);
+      auto zb = Simulate(Make(SCHEDULE_ZB1P, p, m, 1), c);
+      auto ob = Simulate(Make(SCHEDULE_1F1B, p, m), c);
       ASSERT_TRUE(zb.ok() && ob.ok());
       // Zero Bubble paper: 1F1B idles (p-1)(F+B+W), ZB-H1 (p-1)(F+B-W): a third.
       double zb_idle = zb->makespan - zb->busy[0], ob_idle = ob->makespan - ob->busy[0];
@@ -120,9 +121,9 @@ TEST(Bubble, ZBVAndInterleaved_BeatOneFOneB) {
   for (int p : {2, 4}) {
     const int m = 4 * p;
     // Same total work per rank: a V or interleaved chunk is half a 1F1B stage.
-    auto ob = Simulate(Make(ScheduleKind::k1F1B, p, m), Costs{2, 2, 2});
-    auto zbv = Simulate(Make(ScheduleKind::kZBV, p, m, 2), Costs{1, 1, 1});
-    auto il = Simulate(Make(ScheduleKind::kInterleaved1F1B, p, m, 2), Costs{1, 1, 1});
+    auto ob = Simulate(Make(SCHEDULE_1F1B, p, m), Costs{2, 2, 2});
+    auto zbv = Simulate(Make(SCHEDULE_ZBV, p, m, 2), Costs{1, 1, 1});
+    auto il = Simulate(Make(SCHEDULE_INTERLEAVED_1F1B, p, m, 2), Costs{1, 1, 1});
     ASSERT_TRUE(ob.ok() && zbv.ok() && il.ok());
     EXPECT_LT(zbv->mean_bubble_fraction, ob->mean_bubble_fraction / 2);
     EXPECT_LT(il->mean_bubble_fraction, ob->mean_bubble_fraction);
@@ -131,8 +132,8 @@ TEST(Bubble, ZBVAndInterleaved_BeatOneFOneB) {
 
 TEST(Memory, OneFOneB_PeakLiveAtMostRanks_GPipeHoldsAll) {
   const int p = 4, m = 8;
-  auto ob = Simulate(Make(ScheduleKind::k1F1B, p, m));
-  auto gp = Simulate(Make(ScheduleKind::kGPipe, p, m));
+  auto ob = Simulate(Make(SCHEDULE_1F1B, p, m));
+  auto gp = Simulate(Make(SCHEDULE_GPIPE, p, m));
   ASSERT_TRUE(ob.ok() && gp.ok());
   for (int r = 0; r < p; ++r) {
     EXPECT_EQ(ob->peak_live_per_rank[r], p - r);
@@ -141,7 +142,7 @@ TEST(Memory, OneFOneB_PeakLiveAtMostRanks_GPipeHoldsAll) {
 }
 
 TEST(Validate, MissingRecv_RejectedWithGrid) {
-  Schedule s = Make(ScheduleKind::k1F1B, 2, 2);
+  Schedule s = Make(SCHEDULE_1F1B, 2, 2);
   auto& l = s.ranks[1];
   l.erase(std::find(l.begin(), l.end(), Action{1, ActionType::kRecvForward, 1}));
   absl::Status st = Validate(s);
@@ -191,16 +192,17 @@ TEST(Preconditions, Violations_SayWhatToChange) {
   ScheduleOptions o;
   o.num_ranks = 4;
   o.num_microbatches = 2;
-  EXPECT_THAT(MakeSchedule(ScheduleKind::k1F1B, o).status().message(),
+  EXPECT_THAT(MakeSchedule(SCHEDULE_1F1B, o).status().message(),
               HasSubstr("at least as many micro-batches as ranks"));
   o.num_microbatches = 6;
-  EXPECT_THAT(MakeSchedule(ScheduleKind::kInterleaved1F1B, o).status().message(),
+  EXPECT_THAT(MakeSchedule(SCHEDULE_INTERLEAVED_1F1B, o).status().message(),
               HasSubstr("use --microbatches 8"));
   o.stages_per_rank = 2;
-  EXPECT_THAT(MakeSchedule(ScheduleKind::kGPipe, o).status().message(), HasSubstr("one stage per rank"));
-  EXPECT_THAT(ParseScheduleKind("zigzag").status().message(), HasSubstr("unknown schedule 'zigzag'"));
-  EXPECT_TRUE(ParseScheduleKind("ZBVZeroBubble").ok());
-  EXPECT_TRUE(ParseScheduleKind("Interleaved1F1B").ok());
+  EXPECT_THAT(MakeSchedule(SCHEDULE_GPIPE, o).status().message(), HasSubstr("one stage per rank"));
+  EXPECT_THAT(names::Parse<ScheduleKind>("schedule", "zigzag").status().message(),
+              HasSubstr("unknown schedule 'zigzag'"));
+  EXPECT_TRUE(names::Parse<ScheduleKind>("schedule", "ZBVZeroBubble").ok());
+  EXPECT_TRUE(names::Parse<ScheduleKind>("schedule", "Interleaved1F1B").ok());
 }
 
 TEST(SkipConnections, NonAdjacentConsumer_GetsDirectSendAndRecv) {
@@ -209,14 +211,14 @@ TEST(SkipConnections, NonAdjacentConsumer_GetsDirectSendAndRecv) {
   o.num_microbatches = 3;
   o.graph = StageGraph::Chain(3);
   o.graph.consumers[0].push_back(2);  // U-Net style skip
-  auto s = MakeSchedule(ScheduleKind::k1F1B, o);
+  auto s = MakeSchedule(SCHEDULE_1F1B, o);
   ASSERT_TRUE(s.ok());
   auto res = Simulate(*s);
   ASSERT_TRUE(res.ok()) << res.status();
 }
 
 TEST(Render, TimelineAndSvg_ShowEveryRankAndIdle) {
-  Schedule s = Make(ScheduleKind::k1F1B, 2, 2);
+  Schedule s = Make(SCHEDULE_1F1B, 2, 2);
   auto res = Simulate(s);
   ASSERT_TRUE(res.ok());
   std::string text = RenderTimeline(s, *res);

@@ -596,7 +596,7 @@ absl::Status RankRuntime::Execute(StepState& st, size_t pos, const Action& a) {
   }
   const int64_t duration = Micros(std::chrono::steady_clock::now()) - Micros(start);
   const int64_t waited = waited_us_ - waited_before;
-  st.trace.push_back({std::move(name), a.stage, Micros(start), duration, st.bytes, waited});
+  st.trace.push_back({std::move(name), a.stage, Micros(start), duration, st.bytes, waited, a.type});
   if (!compute) {
     st.transport += static_cast<double>(duration - waited) * 1e-6;
     return s;

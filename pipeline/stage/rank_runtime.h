@@ -27,6 +27,7 @@
 #include <future>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -80,6 +81,8 @@ struct TraceEvent {
   int64_t duration_us = 0;
   int64_t bytes = 0;               // tensor bytes sent or received
   int64_t wait_us = 0;             // of the duration, blocked waiting for a peer
+  // The schedule action's type; none for the rank's own work (the step's end, all-reduces).
+  std::optional<schedule::ActionType> action;
 };
 
 // Where a rank's step time went. The parts add up to step_seconds.

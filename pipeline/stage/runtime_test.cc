@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "proto/names.h"
 #include "pipeline/job/job_plan.h"
 #include "pipeline/job/job_spec.h"
 #include "pipeline/job/rank_job.h"
@@ -37,7 +38,6 @@
 namespace pippy::stage {
 namespace {
 
-using schedule::ScheduleKind;
 using ::testing::HasSubstr;
 
 std::string Zoo(const std::string& f) { return "examples/models/zoo/" + f; }
@@ -171,7 +171,7 @@ void RunPipeline(const Case& c, const std::vector<c10::IValue>& inputs, const c1
   // Generated schedules: the job's spec and job::RankJob, exactly as a worker sets up
   // its rank; every step trains on the whole example batch.
   JobSpec spec;
-  spec.mutable_schedule()->set_kind(*job::ParseSchedule(schedule::ScheduleKindName(c.kind)));
+  spec.mutable_schedule()->set_kind(c.kind);
   spec.mutable_schedule()->set_microbatches(kMicrobatches);
   spec.mutable_schedule()->set_stages_per_worker(c.stages_per_rank);
   spec.mutable_split()->set_stages(c.ranks * c.stages_per_rank);
@@ -182,7 +182,7 @@ void RunPipeline(const Case& c, const std::vector<c10::IValue>& inputs, const c1
       break;
     }
   }
-  if (c.kind != ScheduleKind::kForwardOnly) {
+  if (c.kind != SCHEDULE_INFERENCE) {
     const OptimizerOptions o = Optim(c.optimizer);
     spec.set_loss(c.model.loss);
     spec.mutable_optimizer()->set_kind(o.kind);
@@ -330,7 +330,7 @@ TEST_P(PipelineTrainingTest, ThreeSteps_MatchUnsplitTraining) {
     EXPECT_NEAR(run.results[last_rank][step].loss, ref_losses[step], 1e-5 * std::abs(ref_losses[step]) + 1e-7);
   }
   g_worst_micro = std::max(g_worst_micro, micro);
-  std::string line = absl::StrCat(c.model.name, " ", schedule::ScheduleKindName(c.kind), " ranks=", c.ranks,
+  std::string line = absl::StrCat(c.model.name, " ", names::Name(c.kind), " ranks=", c.ranks,
                                   " stages=", c.ranks * c.stages_per_rank, " ", job::OptimizerName(c.optimizer),
                                   " vs micro-batched reference: ", micro);
   if (!c.model.batch_coupled) {
@@ -363,24 +363,24 @@ std::vector<Case> TrainingCases() {
     ScheduleKind kind;
     int ranks, v;
   };
-  const K kinds[] = {{ScheduleKind::kGPipe, 4, 1},           {ScheduleKind::k1F1B, 4, 1},
-                     {ScheduleKind::kInterleaved1F1B, 2, 2}, {ScheduleKind::kLoopedBFS, 2, 2},
-                     {ScheduleKind::kInterleavedZeroBubble, 4, 1}, {ScheduleKind::kInterleavedZeroBubble, 2, 2},
-                     {ScheduleKind::kZBV, 2, 2}};
+  const K kinds[] = {{SCHEDULE_GPIPE, 4, 1},           {SCHEDULE_1F1B, 4, 1},
+                     {SCHEDULE_INTERLEAVED_1F1B, 2, 2}, {SCHEDULE_LOOPED_BFS, 2, 2},
+                     {SCHEDULE_ZB1P, 4, 1}, {SCHEDULE_ZB1P, 2, 2},
+                     {SCHEDULE_ZBV, 2, 2}};
   for (const ModelSpec& m : kModels) {
     for (const K& k : kinds) {
       for (OptimizerKind opt : {OPTIMIZER_SGD, OPTIMIZER_ADAMW}) out.push_back({m, k.kind, k.ranks, k.v, opt});
     }
   }
   // Global gradient clipping across all stages (tight enough to clip every step).
-  out.push_back({kModels[1], ScheduleKind::k1F1B, 4, 1, OPTIMIZER_SGD, 0.05});
-  out.push_back({kModels[0], ScheduleKind::kZBV, 2, 2, OPTIMIZER_ADAMW, 0.05});
+  out.push_back({kModels[1], SCHEDULE_1F1B, 4, 1, OPTIMIZER_SGD, 0.05});
+  out.push_back({kModels[0], SCHEDULE_ZBV, 2, 2, OPTIMIZER_ADAMW, 0.05});
   return out;
 }
 
 INSTANTIATE_TEST_SUITE_P(Zoo, PipelineTrainingTest, ::testing::ValuesIn(TrainingCases()),
                          [](const ::testing::TestParamInfo<Case>& i) {
-                           std::string n = schedule::ScheduleKindName(i.param.kind);
+                           std::string n = names::Name(i.param.kind);
                            for (char& ch : n) if (ch == '-') ch = '_';
                            return absl::StrCat(i.param.model.name, "_", n, "_r", i.param.ranks, "v",
                                                i.param.stages_per_rank, "_", job::OptimizerName(i.param.optimizer),
@@ -419,7 +419,7 @@ class RuntimeBehaviourTest : public ::testing::Test {
     schedule::ScheduleOptions so;
     so.num_ranks = 2;
     so.num_microbatches = 4;
-    auto sched = schedule::MakeSchedule(ScheduleKind::k1F1B, so);
+    auto sched = schedule::MakeSchedule(SCHEDULE_1F1B, so);
     transports_ = transport::loopback::Create(2);
     RuntimeOptions ro;
     ro.timeout = timeout;
@@ -437,7 +437,7 @@ TEST_F(RuntimeBehaviourTest, ForwardOnly_EqualsUnsplitForward) {
   for (const char* name : {"mlp", "gpt", "unet", "multi"}) {
     Load(name);
     for (int v : {1, 2}) {
-      Case c{ModelSpec{name, LOSS_MSE, false}, ScheduleKind::kForwardOnly, 2, v, OPTIMIZER_SGD};
+      Case c{ModelSpec{name, LOSS_MSE, false}, SCHEDULE_INFERENCE, 2, v, OPTIMIZER_SGD};
       PipelineRun run;
       RunPipeline(c, inputs_, target_, &run);
       for (const auto& e : run.errors) ASSERT_TRUE(e.ok()) << e;
@@ -478,7 +478,7 @@ TEST_F(RuntimeBehaviourTest, ServingSteps_BadInputAbandonsTheStepOnEveryRankAndT
   schedule::ScheduleOptions so;
   so.num_ranks = kRanks;
   so.num_microbatches = 1;
-  auto sched = schedule::MakeSchedule(ScheduleKind::kForwardOnly, so);
+  auto sched = schedule::MakeSchedule(SCHEDULE_INFERENCE, so);
   ASSERT_TRUE(sched.ok()) << sched.status();
   transports_ = transport::loopback::Create(kRanks);
   std::vector<std::unique_ptr<RankRuntime>> rts;
@@ -518,7 +518,7 @@ TEST_F(RuntimeBehaviourTest, ServingSteps_BadInputAbandonsTheStepOnEveryRankAndT
 
 TEST_F(RuntimeBehaviourTest, CsvScheduleReadBack_TrainsTheSame) {
   Load("gpt");
-  Case c{kModels[1], ScheduleKind::k1F1B, 4, 1, OPTIMIZER_ADAMW};
+  Case c{kModels[1], SCHEDULE_1F1B, 4, 1, OPTIMIZER_ADAMW};
   PipelineRun generated;
   RunPipeline(c, inputs_, target_, &generated);
   for (const auto& e : generated.errors) ASSERT_TRUE(e.ok()) << e;
@@ -544,7 +544,7 @@ TEST_F(RuntimeBehaviourTest, MissingRecv_RejectedBeforeRunningWithGrid) {
   schedule::ScheduleOptions so;
   so.num_ranks = 2;
   so.num_microbatches = 4;
-  auto sched = schedule::MakeSchedule(ScheduleKind::k1F1B, so);
+  auto sched = schedule::MakeSchedule(SCHEDULE_1F1B, so);
   ASSERT_TRUE(sched.ok());
   auto& l = sched->ranks[1];
   l.erase(std::find(l.begin(), l.end(), schedule::Action{1, schedule::ActionType::kRecvForward, 2}));
@@ -621,7 +621,7 @@ TEST_F(RuntimeBehaviourTest, BatchNotDivisible_ClearError) {
   schedule::ScheduleOptions so;
   so.num_ranks = 2;
   so.num_microbatches = 3;  // batch of 16
-  auto sched = schedule::MakeSchedule(ScheduleKind::kGPipe, so);
+  auto sched = schedule::MakeSchedule(SCHEDULE_GPIPE, so);
   auto transports = transport::loopback::Create(2);
   auto rt = RankRuntime::Create(0, pipe->plan, {{0, pipe->stages[0]}}, *sched, transports[0].get(), RuntimeOptions{});
   auto res = (*rt)->TrainStep(0, inputs_, target_);
@@ -634,7 +634,7 @@ TEST_F(RuntimeBehaviourTest, BatchNotDivisible_ClearError) {
 TEST_F(RuntimeBehaviourTest, PeakLiveActivations_1F1BBoundedByRanks_GPipeHoldsAll) {
   Load("mlp");
   const int p = 4, m = 8;
-  for (ScheduleKind kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B}) {
+  for (ScheduleKind kind : {SCHEDULE_GPIPE, SCHEDULE_1F1B}) {
     auto pipe = partition::SplitModel(model_, [] { partition::SplitOptions o; o.num_stages = 4; return o; }());
     schedule::ScheduleOptions so;
     so.num_ranks = p;
@@ -653,13 +653,13 @@ TEST_F(RuntimeBehaviourTest, PeakLiveActivations_1F1BBoundedByRanks_GPipeHoldsAl
     }
     for (auto& t : threads) t.join();
     for (int r = 0; r < p; ++r) {
-      if (kind == ScheduleKind::kGPipe) {
+      if (kind == SCHEDULE_GPIPE) {
         EXPECT_EQ(peak[r], m);
       } else {
         EXPECT_EQ(peak[r], p - r) << "1F1B rank " << r;
       }
     }
-    std::cout << "[ figure   ] " << schedule::ScheduleKindName(kind) << " m=8 p=4 peak live activations per rank:";
+    std::cout << "[ figure   ] " << names::Name(kind) << " m=8 p=4 peak live activations per rank:";
     for (int x : peak) std::cout << " " << x;
     std::cout << "\n";
   }

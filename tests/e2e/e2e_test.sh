@@ -248,7 +248,7 @@ expect_refused() {  # NAME WANT_SUBSTRING ARGS...
 echo "not a model" > "$TMP/corrupt.pt"
 expect_refused "empty model" "model: empty" "$TMP/empty.pt" "${COMMON[@]}" --stages 2 --schedule 1f1b
 expect_refused "corrupt model" "model: 'model' is not a TorchScript archive" "$TMP/corrupt.pt" "${COMMON[@]}" --stages 2 --schedule 1f1b
-expect_refused "unknown schedule" "schedule.kind: unknown schedule 'zigzag'" "$ZOO/gpt.pt" "${COMMON[@]}" --stages 2 --schedule zigzag
+expect_refused "unknown schedule" "--schedule: unknown schedule 'zigzag': use gpipe, 1f1b," "$ZOO/gpt.pt" "${COMMON[@]}" --stages 2 --schedule zigzag
 expect_refused "too many stages" "split: cannot make 500 stages" "$ZOO/gpt.pt" "${COMMON[@]}" --stages 500 --schedule gpipe
 expect_refused "data that does not fit" "data" "$ZOO/gpt.pt" --data "$TMP/wrong.data.pt" --microbatches 2 --batch-size 8 \
   --steps 1 --loss model --optimizer sgd --lr 0.1 --stages 2 --schedule 1f1b

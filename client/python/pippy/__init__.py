@@ -26,22 +26,16 @@ import grpc
 from google.protobuf import json_format
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "_stubs"))
-from proto import coordinator_pb2, coordinator_pb2_grpc, job_pb2  # noqa: E402
+from proto import coordinator_pb2, coordinator_pb2_grpc, job_pb2, options_pb2  # noqa: E402
 
 __all__ = ["Client", "InferError", "JobFailed", "PippyError"]
 
 CHUNK = 1 << 20
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
-TERMINAL = {"SUCCEEDED", "FAILED", "CANCELLED"}
 
-# Names as pippyctl takes them -> the spec's enums.
-SCHEDULES = {"gpipe": "SCHEDULE_GPIPE", "1f1b": "SCHEDULE_1F1B", "interleaved-1f1b": "SCHEDULE_INTERLEAVED_1F1B",
-             "looped-bfs": "SCHEDULE_LOOPED_BFS", "zb1p": "SCHEDULE_ZB1P", "zbv": "SCHEDULE_ZBV",
-             "inference": "SCHEDULE_INFERENCE"}
-LOSSES = {"mse": "LOSS_MSE", "cross_entropy": "LOSS_CROSS_ENTROPY", "model": "LOSS_MODEL"}
-OPTIMIZERS = {"sgd": "OPTIMIZER_SGD", "adam": "OPTIMIZER_ADAM", "adamw": "OPTIMIZER_ADAMW"}
-BALANCES = {"params": "BALANCE_PARAMS", "flops": "BALANCE_FLOPS", "time": "BALANCE_TIME"}
-PRECISIONS = {"fp32": "PRECISION_FP32", "bf16": "PRECISION_BF16"}
+# Job states after which nothing changes (the terminal option in proto/coordinator.proto).
+TERMINAL = {v.name for v in coordinator_pb2.JobState.DESCRIPTOR.values
+            if v.GetOptions().Extensions[options_pb2.terminal]}
 
 
 class PippyError(Exception):
@@ -90,10 +84,24 @@ def _call(fn, *args, **kwargs):
         raise PippyError(e.code(), e.details()) from None
 
 
-def _enum(table, value, what):
-    if value not in table:
-        raise ValueError(f"{what}: unknown {value!r}; use {', '.join(table)}")
-    return table[value]
+def _normalized(text):
+    return text.lower().replace("-", "").replace("_", "")
+
+
+def _enum(enum, value, what):
+    """The number of the value of `enum` (a job_pb2 enum) that `value` names as pippyctl
+    takes it: its cli_name or a cli_alias, ignoring case, '-' and '_' (the options on
+    the enum's values in proto/job.proto: the one table pippyctl and the daemons read)."""
+    names = []
+    for v in enum.DESCRIPTOR.values:
+        options = v.GetOptions()
+        if not options.HasExtension(options_pb2.cli_name):
+            continue
+        name = options.Extensions[options_pb2.cli_name]
+        names.append(name)
+        if _normalized(value) in {_normalized(n) for n in [name, *options.Extensions[options_pb2.cli_alias]]}:
+            return v.number
+    raise ValueError(f"{what}: unknown {value!r}; use {', '.join(names)}")
 
 
 def make_spec(model_path, data_path=None, *, stages=0, split_at=(), balance="params", schedule, microbatches,
@@ -105,18 +113,18 @@ def make_spec(model_path, data_path=None, *, stages=0, split_at=(), balance="par
     dtype: "fp32" or "bf16" (autocast to bfloat16, fp32 weights; pippyctl's --dtype)."""
     spec = job_pb2.JobSpec(name=name or os.path.splitext(os.path.basename(model_path))[0], steps=steps,
                            batch_size=batch_size, seed=seed, replicas=replicas)
-    spec.precision = job_pb2.Precision.Value(_enum(PRECISIONS, dtype, "dtype"))
+    spec.precision = _enum(job_pb2.Precision, dtype, "dtype")
     spec.split.stages = stages
     spec.split.split_at.extend(split_at)
-    spec.split.balance = job_pb2.Balance.Value(_enum(BALANCES, balance, "balance"))
-    spec.schedule.kind = job_pb2.ScheduleKind.Value(_enum(SCHEDULES, schedule, "schedule"))
+    spec.split.balance = _enum(job_pb2.Balance, balance, "balance")
+    spec.schedule.kind = _enum(job_pb2.ScheduleKind, schedule, "schedule")
     spec.schedule.microbatches = microbatches
     spec.schedule.stages_per_worker = stages_per_worker
     if schedule != "inference":
         if loss:
-            spec.loss = job_pb2.LossKind.Value(_enum(LOSSES, loss, "loss"))
+            spec.loss = _enum(job_pb2.LossKind, loss, "loss")
         if optimizer:
-            spec.optimizer.kind = job_pb2.OptimizerKind.Value(_enum(OPTIMIZERS, optimizer, "optimizer"))
+            spec.optimizer.kind = _enum(job_pb2.OptimizerKind, optimizer, "optimizer")
         spec.optimizer.lr = lr
         spec.optimizer.momentum = momentum
         spec.optimizer.clip_grad_norm = clip_grad_norm
@@ -192,10 +200,10 @@ class Client:
         loaded until cancel(). example: a file with an example input (a request's input
         or a data file), or synthetic="inputs=float32[8,1024]". Returns the job id."""
         spec = job_pb2.JobSpec(name=name or os.path.splitext(os.path.basename(model_path))[0], seed=seed)
-        spec.precision = job_pb2.Precision.Value(_enum(PRECISIONS, dtype, "dtype"))
+        spec.precision = _enum(job_pb2.Precision, dtype, "dtype")
         spec.split.stages = stages
         spec.split.split_at.extend(split_at)
-        spec.split.balance = job_pb2.Balance.Value(_enum(BALANCES, balance, "balance"))
+        spec.split.balance = _enum(job_pb2.Balance, balance, "balance")
         spec.serving.max_batch = max_batch
         if max_delay_ms is not None:
             spec.serving.max_delay_ms = max_delay_ms

@@ -11,39 +11,80 @@ from google.protobuf import symbol_database as _symbol_database
 _sym_db = _symbol_database.Default()
 
 
+from proto import options_pb2 as proto_dot_options__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0fproto/job.proto\x12\x05pippy\"T\n\tSplitSpec\x12\x0e\n\x06stages\x18\x01 \x01(\x05\x12\x10\n\x08split_at\x18\x02 \x03(\t\x12\x1f\n\x07\x62\x61lance\x18\x04 \x01(\x0e\x32\x0e.pippy.BalanceJ\x04\x08\x03\x10\x04\"h\n\x0cScheduleSpec\x12!\n\x04kind\x18\x04 \x01(\x0e\x32\x13.pippy.ScheduleKind\x12\x14\n\x0cmicrobatches\x18\x02 \x01(\x05\x12\x19\n\x11stages_per_worker\x18\x03 \x01(\x05J\x04\x08\x01\x10\x02\"\xf1\x01\n\rOptimizerSpec\x12\"\n\x04kind\x18\t \x01(\x0e\x32\x14.pippy.OptimizerKind\x12\n\n\x02lr\x18\x02 \x01(\x01\x12\x10\n\x08momentum\x18\x03 \x01(\x01\x12\x19\n\x0cweight_decay\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05\x62\x65ta1\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05\x62\x65ta2\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x10\n\x03\x65ps\x18\x07 \x01(\x01H\x03\x88\x01\x01\x12\x16\n\x0e\x63lip_grad_norm\x18\x08 \x01(\x01\x42\x0f\n\r_weight_decayB\x08\n\x06_beta1B\x08\n\x06_beta2B\x06\n\x04_epsJ\x04\x08\x01\x10\x02\"+\n\x08\x44\x61taSpec\x12\x0c\n\x04\x66ile\x18\x01 \x01(\t\x12\x11\n\tsynthetic\x18\x02 \x01(\t\"\xac\x01\n\x12\x46\x61ultToleranceSpec\x12\x1d\n\x10\x63heckpoint_every\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x0cmax_restarts\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x1f\n\x12recovery_timeout_s\x18\x03 \x01(\x01H\x02\x88\x01\x01\x42\x13\n\x11_checkpoint_everyB\x0f\n\r_max_restartsB\x15\n\x13_recovery_timeout_s\"b\n\x0bServingSpec\x12\x11\n\tmax_batch\x18\x01 \x01(\x05\x12\x19\n\x0cmax_delay_ms\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x14\n\x0cmax_inflight\x18\x03 \x01(\x05\x42\x0f\n\r_max_delay_ms\"\xae\x03\n\x07JobSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x05split\x18\x02 \x01(\x0b\x32\x10.pippy.SplitSpec\x12%\n\x08schedule\x18\x03 \x01(\x0b\x32\x13.pippy.ScheduleSpec\x12\x19\n\x04mode\x18\x0b \x01(\x0e\x32\x0b.pippy.Mode\x12\x1d\n\x04loss\x18\x0c \x01(\x0e\x32\x0f.pippy.LossKind\x12\'\n\toptimizer\x18\x06 \x01(\x0b\x32\x14.pippy.OptimizerSpec\x12\r\n\x05steps\x18\x07 \x01(\x05\x12\x12\n\nbatch_size\x18\x08 \x01(\x05\x12\x1d\n\x04\x64\x61ta\x18\t \x01(\x0b\x32\x0f.pippy.DataSpec\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x32\n\x0f\x66\x61ult_tolerance\x18\r \x01(\x0b\x32\x19.pippy.FaultToleranceSpec\x12\x10\n\x08replicas\x18\x0e \x01(\x05\x12#\n\x07serving\x18\x0f \x01(\x0b\x32\x12.pippy.ServingSpec\x12#\n\tprecision\x18\x10 \x01(\x0e\x32\x10.pippy.PrecisionJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06*\xc9\x01\n\x0cScheduleKind\x12\x1d\n\x19SCHEDULE_KIND_UNSPECIFIED\x10\x00\x12\x12\n\x0eSCHEDULE_GPIPE\x10\x01\x12\x11\n\rSCHEDULE_1F1B\x10\x02\x12\x1d\n\x19SCHEDULE_INTERLEAVED_1F1B\x10\x03\x12\x17\n\x13SCHEDULE_LOOPED_BFS\x10\x04\x12\x11\n\rSCHEDULE_ZB1P\x10\x05\x12\x10\n\x0cSCHEDULE_ZBV\x10\x06\x12\x16\n\x12SCHEDULE_INFERENCE\x10\x07*@\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0e\n\nMODE_TRAIN\x10\x01\x12\x12\n\x0eMODE_INFERENCE\x10\x02*N\n\tPrecision\x12\x19\n\x15PRECISION_UNSPECIFIED\x10\x00\x12\x12\n\x0ePRECISION_FP32\x10\x01\x12\x12\n\x0ePRECISION_BF16\x10\x02*V\n\x08LossKind\x12\x14\n\x10LOSS_UNSPECIFIED\x10\x00\x12\x0c\n\x08LOSS_MSE\x10\x01\x12\x16\n\x12LOSS_CROSS_ENTROPY\x10\x02\x12\x0e\n\nLOSS_MODEL\x10\x03*f\n\rOptimizerKind\x12\x19\n\x15OPTIMIZER_UNSPECIFIED\x10\x00\x12\x11\n\rOPTIMIZER_SGD\x10\x01\x12\x12\n\x0eOPTIMIZER_ADAM\x10\x02\x12\x13\n\x0fOPTIMIZER_ADAMW\x10\x03*[\n\x07\x42\x61lance\x12\x17\n\x13\x42\x41LANCE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x42\x41LANCE_PARAMS\x10\x01\x12\x11\n\rBALANCE_FLOPS\x10\x02\x12\x10\n\x0c\x42\x41LANCE_TIME\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0fproto/job.proto\x12\x05pippy\x1a\x13proto/options.proto\"T\n\tSplitSpec\x12\x0e\n\x06stages\x18\x01 \x01(\x05\x12\x10\n\x08split_at\x18\x02 \x03(\t\x12\x1f\n\x07\x62\x61lance\x18\x04 \x01(\x0e\x32\x0e.pippy.BalanceJ\x04\x08\x03\x10\x04\"h\n\x0cScheduleSpec\x12!\n\x04kind\x18\x04 \x01(\x0e\x32\x13.pippy.ScheduleKind\x12\x14\n\x0cmicrobatches\x18\x02 \x01(\x05\x12\x19\n\x11stages_per_worker\x18\x03 \x01(\x05J\x04\x08\x01\x10\x02\"\xf1\x01\n\rOptimizerSpec\x12\"\n\x04kind\x18\t \x01(\x0e\x32\x14.pippy.OptimizerKind\x12\n\n\x02lr\x18\x02 \x01(\x01\x12\x10\n\x08momentum\x18\x03 \x01(\x01\x12\x19\n\x0cweight_decay\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05\x62\x65ta1\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05\x62\x65ta2\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x10\n\x03\x65ps\x18\x07 \x01(\x01H\x03\x88\x01\x01\x12\x16\n\x0e\x63lip_grad_norm\x18\x08 \x01(\x01\x42\x0f\n\r_weight_decayB\x08\n\x06_beta1B\x08\n\x06_beta2B\x06\n\x04_epsJ\x04\x08\x01\x10\x02\"+\n\x08\x44\x61taSpec\x12\x0c\n\x04\x66ile\x18\x01 \x01(\t\x12\x11\n\tsynthetic\x18\x02 \x01(\t\"\xac\x01\n\x12\x46\x61ultToleranceSpec\x12\x1d\n\x10\x63heckpoint_every\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x0cmax_restarts\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x1f\n\x12recovery_timeout_s\x18\x03 \x01(\x01H\x02\x88\x01\x01\x42\x13\n\x11_checkpoint_everyB\x0f\n\r_max_restartsB\x15\n\x13_recovery_timeout_s\"b\n\x0bServingSpec\x12\x11\n\tmax_batch\x18\x01 \x01(\x05\x12\x19\n\x0cmax_delay_ms\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x14\n\x0cmax_inflight\x18\x03 \x01(\x05\x42\x0f\n\r_max_delay_ms\"\xae\x03\n\x07JobSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x05split\x18\x02 \x01(\x0b\x32\x10.pippy.SplitSpec\x12%\n\x08schedule\x18\x03 \x01(\x0b\x32\x13.pippy.ScheduleSpec\x12\x19\n\x04mode\x18\x0b \x01(\x0e\x32\x0b.pippy.Mode\x12\x1d\n\x04loss\x18\x0c \x01(\x0e\x32\x0f.pippy.LossKind\x12\'\n\toptimizer\x18\x06 \x01(\x0b\x32\x14.pippy.OptimizerSpec\x12\r\n\x05steps\x18\x07 \x01(\x05\x12\x12\n\nbatch_size\x18\x08 \x01(\x05\x12\x1d\n\x04\x64\x61ta\x18\t \x01(\x0b\x32\x0f.pippy.DataSpec\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x32\n\x0f\x66\x61ult_tolerance\x18\r \x01(\x0b\x32\x19.pippy.FaultToleranceSpec\x12\x10\n\x08replicas\x18\x0e \x01(\x05\x12#\n\x07serving\x18\x0f \x01(\x0b\x32\x12.pippy.ServingSpec\x12#\n\tprecision\x18\x10 \x01(\x0e\x32\x10.pippy.PrecisionJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06*\xe3\x06\n\x0cScheduleKind\x12\x1d\n\x19SCHEDULE_KIND_UNSPECIFIED\x10\x00\x12\x64\n\x0eSCHEDULE_GPIPE\x10\x01\x1aP\x8a\xb5\x18\x05gpipe\x92\xb5\x18\x05GPipe\x9a\xb5\x18:every forward, then every backward (torch\'s ScheduleGPipe)\x12{\n\rSCHEDULE_1F1B\x10\x02\x1ah\x8a\xb5\x18\x04\x31\x66\x31\x62\x92\xb5\x18\x04\x31\x46\x31\x42\x9a\xb5\x18Tafter a warm-up, a forward and a backward in turn: fewer activations held than gpipe\x12\x9c\x01\n\x19SCHEDULE_INTERLEAVED_1F1B\x10\x03\x1a}\x8a\xb5\x18\x10interleaved-1f1b\x92\xb5\x18\x0fInterleaved1F1B\x9a\xb5\x18RMegatron\'s interleaved 1F1B: several stages per worker in a loop, a smaller bubble\x12\x80\x01\n\x13SCHEDULE_LOOPED_BFS\x10\x04\x1ag\x8a\xb5\x18\nlooped-bfs\x92\xb5\x18\tLoopedBFS\x9a\xb5\x18Hseveral stages per worker in a loop, each stage\'s micro-batches together\x12{\n\rSCHEDULE_ZB1P\x10\x05\x1ah\x8a\xb5\x18\x04zb1p\x92\xb5\x18\x15InterleavedZeroBubble\x9a\xb5\x18\x43zero bubble: backward split into input (I) and weight (W) gradients\x12Y\n\x0cSCHEDULE_ZBV\x10\x06\x1aG\x8a\xb5\x18\x03zbv\x92\xb5\x18\rZBVZeroBubble\x9a\xb5\x18+zero bubble with 2 stages per worker in a V\x12W\n\x12SCHEDULE_INFERENCE\x10\x07\x1a?\x8a\xb5\x18\tinference\x92\xb5\x18\x0c\x66orward-only\x9a\xb5\x18\x1e\x66orward only: an inference job*Z\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x19\n\nMODE_TRAIN\x10\x01\x1a\t\x8a\xb5\x18\x05train\x12!\n\x0eMODE_INFERENCE\x10\x02\x1a\r\x8a\xb5\x18\tinference*\xdd\x01\n\tPrecision\x12\x19\n\x15PRECISION_UNSPECIFIED\x10\x00\x12R\n\x0ePRECISION_FP32\x10\x01\x1a>\x8a\xb5\x18\x04\x66p32\x9a\xb5\x18\x32\x66loat32, as PyTorch computes it (TF32 off on GPUs)\x12\x61\n\x0ePRECISION_BF16\x10\x02\x1aM\x8a\xb5\x18\x04\x62\x66\x31\x36\x9a\xb5\x18\x41\x61utocast to bfloat16, fp32 weights, gradients and optimizer state*\xad\x02\n\x08LossKind\x12\x14\n\x10LOSS_UNSPECIFIED\x10\x00\x12J\n\x08LOSS_MSE\x10\x01\x1a<\x8a\xb5\x18\x03mse\x9a\xb5\x18\x31mean squared error (torch.nn.functional.mse_loss)\x12m\n\x12LOSS_CROSS_ENTROPY\x10\x02\x1aU\x8a\xb5\x18\rcross_entropy\x9a\xb5\x18@cross entropy over the last dimension; targets are class indices\x12P\n\nLOSS_MODEL\x10\x03\x1a@\x8a\xb5\x18\x05model\x9a\xb5\x18\x33the scripted model\'s own loss(self, output, target)*\xee\x01\n\rOptimizerKind\x12\x19\n\x15OPTIMIZER_UNSPECIFIED\x10\x00\x12:\n\rOPTIMIZER_SGD\x10\x01\x1a\'\x8a\xb5\x18\x03sgd\x9a\xb5\x18\x1ctorch.optim.SGD (--momentum)\x12\x30\n\x0eOPTIMIZER_ADAM\x10\x02\x1a\x1c\x8a\xb5\x18\x04\x61\x64\x61m\x9a\xb5\x18\x10torch.optim.Adam\x12T\n\x0fOPTIMIZER_ADAMW\x10\x03\x1a?\x8a\xb5\x18\x05\x61\x64\x61mw\x9a\xb5\x18\x32torch.optim.AdamW (weight decay 0.01 unless given)*\xd7\x02\n\x07\x42\x61lance\x12\x17\n\x13\x42\x41LANCE_UNSPECIFIED\x10\x00\x12\x31\n\x0e\x42\x41LANCE_PARAMS\x10\x01\x1a\x1d\x8a\xb5\x18\x06params\x9a\xb5\x18\x0fparameter bytes\x12\xb0\x01\n\rBALANCE_FLOPS\x10\x02\x1a\x9c\x01\x8a\xb5\x18\x05\x66lops\x9a\xb5\x18\x8e\x01\x46LOPs with the example\'s shapes: 2 x multiply-adds of linear/matmul/conv, ~5 per element for norms and softmax, 1 per output element otherwise\x12M\n\x0c\x42\x41LANCE_TIME\x10\x03\x1a;\x8a\xb5\x18\x04time\x9a\xb5\x18/forward time measured on the example (min of 3)b\x06proto3')
 
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, globals())
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.job_pb2', globals())
 if _descriptor._USE_C_DESCRIPTORS == False:
 
   DESCRIPTOR._options = None
-  _SCHEDULEKIND._serialized_start=1216
-  _SCHEDULEKIND._serialized_end=1417
-  _MODE._serialized_start=1419
-  _MODE._serialized_end=1483
-  _PRECISION._serialized_start=1485
-  _PRECISION._serialized_end=1563
-  _LOSSKIND._serialized_start=1565
-  _LOSSKIND._serialized_end=1651
-  _OPTIMIZERKIND._serialized_start=1653
-  _OPTIMIZERKIND._serialized_end=1755
-  _BALANCE._serialized_start=1757
-  _BALANCE._serialized_end=1848
-  _SPLITSPEC._serialized_start=26
-  _SPLITSPEC._serialized_end=110
-  _SCHEDULESPEC._serialized_start=112
-  _SCHEDULESPEC._serialized_end=216
-  _OPTIMIZERSPEC._serialized_start=219
-  _OPTIMIZERSPEC._serialized_end=460
-  _DATASPEC._serialized_start=462
-  _DATASPEC._serialized_end=505
-  _FAULTTOLERANCESPEC._serialized_start=508
-  _FAULTTOLERANCESPEC._serialized_end=680
-  _SERVINGSPEC._serialized_start=682
-  _SERVINGSPEC._serialized_end=780
-  _JOBSPEC._serialized_start=783
-  _JOBSPEC._serialized_end=1213
+  _SCHEDULEKIND.values_by_name["SCHEDULE_GPIPE"]._options = None
+  _SCHEDULEKIND.values_by_name["SCHEDULE_GPIPE"]._serialized_options = b'\212\265\030\005gpipe\222\265\030\005GPipe\232\265\030:every forward, then every backward (torch\'s ScheduleGPipe)'
+  _SCHEDULEKIND.values_by_name["SCHEDULE_1F1B"]._options = None
+  _SCHEDULEKIND.values_by_name["SCHEDULE_1F1B"]._serialized_options = b'\212\265\030\0041f1b\222\265\030\0041F1B\232\265\030Tafter a warm-up, a forward and a backward in turn: fewer activations held than gpipe'
+  _SCHEDULEKIND.values_by_name["SCHEDULE_INTERLEAVED_1F1B"]._options = None
+  _SCHEDULEKIND.values_by_name["SCHEDULE_INTERLEAVED_1F1B"]._serialized_options = b'\212\265\030\020interleaved-1f1b\222\265\030\017Interleaved1F1B\232\265\030RMegatron\'s interleaved 1F1B: several stages per worker in a loop, a smaller bubble'
+  _SCHEDULEKIND.values_by_name["SCHEDULE_LOOPED_BFS"]._options = None
+  _SCHEDULEKIND.values_by_name["SCHEDULE_LOOPED_BFS"]._serialized_options = b'\212\265\030\nlooped-bfs\222\265\030\tLoopedBFS\232\265\030Hseveral stages per worker in a loop, each stage\'s micro-batches together'
+  _SCHEDULEKIND.values_by_name["SCHEDULE_ZB1P"]._options = None
+  _SCHEDULEKIND.values_by_name["SCHEDULE_ZB1P"]._serialized_options = b'\212\265\030\004zb1p\222\265\030\025InterleavedZeroBubble\232\265\030Czero bubble: backward split into input (I) and weight (W) gradients'
+  _SCHEDULEKIND.values_by_name["SCHEDULE_ZBV"]._options = None
+  _SCHEDULEKIND.values_by_name["SCHEDULE_ZBV"]._serialized_options = b'\212\265\030\003zbv\222\265\030\rZBVZeroBubble\232\265\030+zero bubble with 2 stages per worker in a V'
+  _SCHEDULEKIND.values_by_name["SCHEDULE_INFERENCE"]._options = None
+  _SCHEDULEKIND.values_by_name["SCHEDULE_INFERENCE"]._serialized_options = b'\212\265\030\tinference\222\265\030\014forward-only\232\265\030\036forward only: an inference job'
+  _MODE.values_by_name["MODE_TRAIN"]._options = None
+  _MODE.values_by_name["MODE_TRAIN"]._serialized_options = b'\212\265\030\005train'
+  _MODE.values_by_name["MODE_INFERENCE"]._options = None
+  _MODE.values_by_name["MODE_INFERENCE"]._serialized_options = b'\212\265\030\tinference'
+  _PRECISION.values_by_name["PRECISION_FP32"]._options = None
+  _PRECISION.values_by_name["PRECISION_FP32"]._serialized_options = b'\212\265\030\004fp32\232\265\0302float32, as PyTorch computes it (TF32 off on GPUs)'
+  _PRECISION.values_by_name["PRECISION_BF16"]._options = None
+  _PRECISION.values_by_name["PRECISION_BF16"]._serialized_options = b'\212\265\030\004bf16\232\265\030Aautocast to bfloat16, fp32 weights, gradients and optimizer state'
+  _LOSSKIND.values_by_name["LOSS_MSE"]._options = None
+  _LOSSKIND.values_by_name["LOSS_MSE"]._serialized_options = b'\212\265\030\003mse\232\265\0301mean squared error (torch.nn.functional.mse_loss)'
+  _LOSSKIND.values_by_name["LOSS_CROSS_ENTROPY"]._options = None
+  _LOSSKIND.values_by_name["LOSS_CROSS_ENTROPY"]._serialized_options = b'\212\265\030\rcross_entropy\232\265\030@cross entropy over the last dimension; targets are class indices'
+  _LOSSKIND.values_by_name["LOSS_MODEL"]._options = None
+  _LOSSKIND.values_by_name["LOSS_MODEL"]._serialized_options = b'\212\265\030\005model\232\265\0303the scripted model\'s own loss(self, output, target)'
+  _OPTIMIZERKIND.values_by_name["OPTIMIZER_SGD"]._options = None
+  _OPTIMIZERKIND.values_by_name["OPTIMIZER_SGD"]._serialized_options = b'\212\265\030\003sgd\232\265\030\034torch.optim.SGD (--momentum)'
+  _OPTIMIZERKIND.values_by_name["OPTIMIZER_ADAM"]._options = None
+  _OPTIMIZERKIND.values_by_name["OPTIMIZER_ADAM"]._serialized_options = b'\212\265\030\004adam\232\265\030\020torch.optim.Adam'
+  _OPTIMIZERKIND.values_by_name["OPTIMIZER_ADAMW"]._options = None
+  _OPTIMIZERKIND.values_by_name["OPTIMIZER_ADAMW"]._serialized_options = b'\212\265\030\005adamw\232\265\0302torch.optim.AdamW (weight decay 0.01 unless given)'
+  _BALANCE.values_by_name["BALANCE_PARAMS"]._options = None
+  _BALANCE.values_by_name["BALANCE_PARAMS"]._serialized_options = b'\212\265\030\006params\232\265\030\017parameter bytes'
+  _BALANCE.values_by_name["BALANCE_FLOPS"]._options = None
+  _BALANCE.values_by_name["BALANCE_FLOPS"]._serialized_options = b'\212\265\030\005flops\232\265\030\216\001FLOPs with the example\'s shapes: 2 x multiply-adds of linear/matmul/conv, ~5 per element for norms and softmax, 1 per output element otherwise'
+  _BALANCE.values_by_name["BALANCE_TIME"]._options = None
+  _BALANCE.values_by_name["BALANCE_TIME"]._serialized_options = b'\212\265\030\004time\232\265\030/forward time measured on the example (min of 3)'
+  _SCHEDULEKIND._serialized_start=1237
+  _SCHEDULEKIND._serialized_end=2104
+  _MODE._serialized_start=2106
+  _MODE._serialized_end=2196
+  _PRECISION._serialized_start=2199
+  _PRECISION._serialized_end=2420
+  _LOSSKIND._serialized_start=2423
+  _LOSSKIND._serialized_end=2724
+  _OPTIMIZERKIND._serialized_start=2727
+  _OPTIMIZERKIND._serialized_end=2965
+  _BALANCE._serialized_start=2968
+  _BALANCE._serialized_end=3311
+  _SPLITSPEC._serialized_start=47
+  _SPLITSPEC._serialized_end=131
+  _SCHEDULESPEC._serialized_start=133
+  _SCHEDULESPEC._serialized_end=237
+  _OPTIMIZERSPEC._serialized_start=240
+  _OPTIMIZERSPEC._serialized_end=481
+  _DATASPEC._serialized_start=483
+  _DATASPEC._serialized_end=526
+  _FAULTTOLERANCESPEC._serialized_start=529
+  _FAULTTOLERANCESPEC._serialized_end=701
+  _SERVINGSPEC._serialized_start=703
+  _SERVINGSPEC._serialized_end=801
+  _JOBSPEC._serialized_start=804
+  _JOBSPEC._serialized_end=1234
 # @@protoc_insertion_point(module_scope)
