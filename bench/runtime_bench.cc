@@ -15,6 +15,7 @@
 
 #include "proto/names.h"
 #include "pipeline/job/job_spec.h"
+#include "pipeline/job/layout.h"
 #include "pipeline/job/rank_job.h"
 #include "pipeline/torchio/model_io.h"
 #include "pipeline/partition/partition.h"
@@ -66,9 +67,10 @@ PipelineFigures RunPipeline(const torch::jit::Module& model, const std::vector<c
   auto data = *stage::DataSource::FromValues(inputs, target, names);
   auto transports = transport::loopback::Create(p);
   std::vector<std::unique_ptr<job::RankJob>> rts;
+  const JobLayout layout = *job::MakeLayout(spec, pipe->plan);
   for (int r = 0; r < p; ++r) {
-    rts.push_back(std::move(*job::RankJob::Create(spec, pipe->plan, r, {{r, pipe->stages[r]}}, transports[r].get(),
-                                                   absl::Seconds(60))));
+    rts.push_back(std::move(*job::RankJob::Create(spec, pipe->plan, layout.ranks(r), r, {{r, pipe->stages[r]}},
+                                                   transports[r].get(), absl::Seconds(60))));
   }
   const schedule::Schedule* sched = &rts[0]->schedule();
   PipelineFigures f;

@@ -73,7 +73,9 @@ CLI::Option* AddNameOption(CLI::App* app, const std::string& flag, std::string* 
     absl::StrAppend(&help, "\n  ", c.name, std::string(width - c.name.size() + 2, ' '), c.help);
     aliases.insert(aliases.end(), c.aliases.begin(), c.aliases.end());
   }
-  if (!aliases.empty()) absl::StrAppend(&help, "\n  (also: ", absl::StrJoin(aliases, ", "), ")");
+  if (!aliases.empty()) {
+    absl::StrAppend(&help, "\n  (also: ", absl::StrJoin(aliases, ", "), "; case, - and _ do not matter)");
+  }
   CLI::Validator check(
       [e, what](std::string& text) -> std::string {
         absl::StatusOr<int> v = names::ParseIn(e, what, text);

@@ -13,7 +13,7 @@
 #include "coordinator/model_check.h"
 #include "common/torch_status.h"
 #include "coordinator/artifact_store.h"
-#include "pipeline/job/job_plan.h"
+#include "pipeline/job/layout.h"
 #include "pipeline/job/job_spec.h"
 #include "pipeline/torchio/model_io.h"
 #include "pipeline/partition/forward_probe.h"
@@ -97,18 +97,9 @@ class StagesInMemory : public PreparedStages {
   const std::vector<torch::jit::Module> stages_;
 };
 
-}  // namespace
-
-absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::string& dir,
-                                       const PrepareOptions& options) {
-  PreparedJob out;
-  out.spec = submitted;
-  JobSpec& spec = out.spec;
-  PIPPY_RETURN_IF_ERROR(job::CheckSpec(&spec));
-  const bool train = spec.mode() == MODE_TRAIN;
-  torch::jit::setGraphExecutorOptimize(false);
-
-  const absl::Time start = absl::Now();
+// The submitted model, loaded in a child process first (options.model_checker) and
+// then here; errors name it as the user knows it ('model'), not by the coordinator's file.
+absl::StatusOr<torch::jit::Module> LoadChecked(const std::string& dir, const PrepareOptions& options) {
   const std::string model_path = dir + "/model.pt";
   if (ArtifactStore::FileSize(model_path) <= 0) return Bad("model", "empty: send the TorchScript file's bytes");
   absl::Status checked = absl::OkStatus();
@@ -127,25 +118,24 @@ absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::stri
   }
   absl::StatusOr<torch::jit::Module> loaded =
       checked.ok() ? torchio::LoadModel(model_path) : absl::StatusOr<torch::jit::Module>(checked);
-  if (!loaded.ok()) {
-    // Name the model as the user knows it, not by the coordinator's file.
-    std::string msg(loaded.status().message());
-    const std::string quoted = absl::StrCat("'", model_path, "'");
-    msg = absl::StrReplaceAll(msg, {{quoted, "'model'"}});
-    return Bad("model", msg);
-  }
-  torch::jit::Module& model = *loaded;
-  const absl::Time loaded_at = absl::Now();
+  if (loaded.ok()) return loaded;
+  std::string msg(loaded.status().message());
+  msg = absl::StrReplaceAll(msg, {{absl::StrCat("'", model_path, "'"), "'model'"}});
+  return Bad("model", msg);
+}
 
-  // The data, and its first micro-batch as the example that checks it fits.
+// The job's data, checked against the model: one micro-batch through its forward
+// (and the loss, for training). Returns the data; `example` gets that micro-batch.
+absl::StatusOr<stage::DataSource> CheckedData(const JobSpec& spec, const std::string& dir,
+                                              torch::jit::Module& model, std::vector<c10::IValue>* example) {
+  const bool train = spec.mode() == MODE_TRAIN;
   PIPPY_ASSIGN_OR_RETURN(std::string data_bytes, DataBytes(spec, dir));
   const std::vector<std::string> names = torchio::ForwardArgumentNames(model);
   absl::StatusOr<stage::DataSource> data_or = spec.has_serving()
                                                   ? stage::DataSource::FromExampleBytes(data_bytes, names)
                                                   : stage::DataSource::FromBytes(data_bytes, names);
   PIPPY_ASSIGN_OR_RETURN(stage::DataSource data, std::move(data_or));
-  data_bytes.clear();
-  data_bytes.shrink_to_fit();
+  std::string().swap(data_bytes);
   if (train && !data.has_targets()) return Bad("data", "training needs \"targets\" in the data file");
   if (!train && static_cast<int64_t>(spec.steps()) * spec.batch_size() > data.num_samples() * 64) {
     return Bad("steps", "an inference job reads each sample at most a few times; lower steps or batch_size");
@@ -153,8 +143,8 @@ absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::stri
   const int m = spec.schedule().microbatches();
   PIPPY_ASSIGN_OR_RETURN(auto mb_inputs, Field("data", stage::SplitIntoMicrobatches(
                                                            data.Inputs(0, spec.batch_size()), m, {}, names)));
-  const std::vector<c10::IValue>& example = mb_inputs[0];
-  absl::StatusOr<c10::IValue> output = partition::RunForwardOnce(model, example);
+  *example = mb_inputs[0];
+  absl::StatusOr<c10::IValue> output = partition::RunForwardOnce(model, *example);
   if (!output.ok()) return Field("data: the inputs do not fit the model", output.status());
   if (train) {
     PIPPY_ASSIGN_OR_RETURN(auto mb_targets, Field("data", stage::SplitIntoMicrobatches(
@@ -163,7 +153,43 @@ absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::stri
     absl::StatusOr<at::Tensor> loss = stage::ComputeLoss(spec.loss(), model, *output, mb_targets[0][0]);
     if (!loss.ok()) return Field("data: the targets do not fit the model's output", loss.status());
   }
+  return data;
+}
 
+// Each rank's share of the data, written into `dir`; their sizes. A serving job's
+// example is not served (requests bring the inputs): its shares are empty.
+absl::StatusOr<std::vector<int64_t>> WriteShares(const JobSpec& spec, const JobLayout& layout,
+                                                 const stage::DataSource& data, const std::string& dir) {
+  std::vector<int64_t> sizes;
+  for (int r = 0; r < layout.ranks_size(); ++r) {
+    const RankLayout& piece = layout.ranks(r);
+    std::vector<int> inputs;
+    if (!spec.has_serving()) inputs.assign(piece.model_inputs().begin(), piece.model_inputs().end());
+    PIPPY_ASSIGN_OR_RETURN(std::string share, data.ShareBytes(inputs, piece.targets() && !spec.has_serving()));
+    const std::string path = absl::StrCat(dir, "/", ArtifactStore::ShareFileName(r));
+    std::ofstream f(path, std::ios::binary | std::ios::trunc);
+    f.write(share.data(), static_cast<std::streamsize>(share.size()));
+    f.close();
+    if (!f) return absl::UnavailableError(absl::StrCat("cannot write '", path, "'"));
+    sizes.push_back(static_cast<int64_t>(share.size()));
+  }
+  return sizes;
+}
+
+}  // namespace
+
+absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::string& dir,
+                                       const PrepareOptions& options) {
+  PreparedJob out;
+  out.spec = submitted;
+  const JobSpec& spec = out.spec;
+  PIPPY_RETURN_IF_ERROR(job::CheckSpec(&out.spec));
+  torch::jit::setGraphExecutorOptimize(false);
+  const absl::Time start = absl::Now();
+  PIPPY_ASSIGN_OR_RETURN(torch::jit::Module model, LoadChecked(dir, options));
+  const absl::Time loaded_at = absl::Now();
+  std::vector<c10::IValue> example;
+  PIPPY_ASSIGN_OR_RETURN(stage::DataSource data, CheckedData(spec, dir, model, &example));
   const absl::Time checked_at = absl::Now();
   // Split once; the stages share the model's tensors (they are only written out).
   partition::SplitOptions so;
@@ -176,23 +202,10 @@ absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::stri
   absl::StatusOr<partition::Pipe> pipe = partition::SplitModel(model, so);
   if (!pipe.ok()) return Field("split", pipe.status());
   out.plan = pipe->plan;
-  PIPPY_ASSIGN_OR_RETURN(out.ranks, job::RanksFor(spec, out.plan));
-  PIPPY_ASSIGN_OR_RETURN(schedule::Schedule sched, job::ScheduleFor(spec, out.plan));
-  out.stage_to_rank = sched.stage_to_rank;
+  PIPPY_ASSIGN_OR_RETURN(out.layout, job::MakeLayout(spec, out.plan));
   const absl::Time split_at = absl::Now();
-
   out.stages = std::make_shared<StagesInMemory>(model, std::move(pipe->stages));
-  for (int r = 0; r < out.ranks; ++r) {
-    job::DataNeeds needs = job::DataNeedsOf(spec, out.plan, sched, r);
-    if (spec.has_serving()) needs = job::DataNeeds();  // the example is not served; requests bring the inputs
-    PIPPY_ASSIGN_OR_RETURN(std::string share, data.ShareBytes(needs.inputs, needs.targets));
-    const std::string path = absl::StrCat(dir, "/", ArtifactStore::ShareFileName(r));
-    std::ofstream f(path, std::ios::binary | std::ios::trunc);
-    f.write(share.data(), static_cast<std::streamsize>(share.size()));
-    f.close();
-    if (!f) return absl::UnavailableError(absl::StrCat("cannot write '", path, "'"));
-    out.share_bytes.push_back(static_cast<int64_t>(share.size()));
-  }
+  PIPPY_ASSIGN_OR_RETURN(out.share_bytes, WriteShares(spec, out.layout, data, dir));
   log::Info("prepared a submission in {}: model loaded in {}, data checked in {}, split into {} stages in {}, {} "
             "data shares written in {}",
             absl::FormatDuration(absl::Now() - start), absl::FormatDuration(loaded_at - start),

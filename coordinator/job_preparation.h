@@ -1,6 +1,7 @@
 // What the coordinator does with a submission before accepting it, once: check the
 // spec, load the model, check the data against it (one micro-batch through the model
-// and the loss), split the model, make and validate the schedule, and write each
+// and the loss), split the model, make the job's layout (its schedule validated, each
+// rank's action list, data needs and memory: pipeline/job/layout.h), and write each
 // rank's share of the data into the submission's folder. The split stages stay in
 // memory (PreparedStages) until they are streamed to their workers or written to
 // stage files; nothing later loads the whole model again until the trained stages are
@@ -41,8 +42,7 @@ class PreparedStages {
 struct PreparedJob {
   JobSpec spec;                 // checked, defaults filled in
   PipelinePlan plan;
-  int ranks = 0;                // workers the job needs
-  std::vector<int> stage_to_rank;
+  JobLayout layout;             // made once here; stored with the job, pieces sent to the ranks
   std::vector<int64_t> share_bytes;  // by rank; the shares are written in the folder
   std::shared_ptr<const PreparedStages> stages;
 };

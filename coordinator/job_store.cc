@@ -22,7 +22,8 @@ absl::StatusOr<std::unique_ptr<JobStore>> JobStore::Open(const std::string& dir)
   char* err = nullptr;
   if (sqlite3_exec(store->db_,
                    "PRAGMA journal_mode=WAL; CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, created INTEGER, "
-                   "record BLOB); CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER);",
+                   "record BLOB); CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER); "
+                   "CREATE TABLE IF NOT EXISTS layouts (id TEXT PRIMARY KEY, layout BLOB);",
                    nullptr, nullptr, &err) != SQLITE_OK) {
     std::string msg = err ? err : "unknown";
     sqlite3_free(err);
@@ -64,6 +65,38 @@ std::vector<Job> JobStore::List() {
       out.push_back(job);
     } else {
       log::Warn("a job record in jobs.db does not parse (written by another version?); skipped");
+    }
+  }
+  sqlite3_finalize(st);
+  return out;
+}
+
+absl::Status JobStore::PutLayout(const std::string& job_id, const JobLayout& layout) {
+  std::string blob;
+  layout.SerializeToString(&blob);
+  absl::MutexLock lock(&mu_);
+  sqlite3_stmt* st = nullptr;
+  sqlite3_prepare_v2(db_, "INSERT OR REPLACE INTO layouts (id, layout) VALUES (?, ?)", -1, &st, nullptr);
+  sqlite3_bind_text(st, 1, job_id.c_str(), -1, SQLITE_TRANSIENT);
+  sqlite3_bind_blob(st, 2, blob.data(), static_cast<int>(blob.size()), SQLITE_TRANSIENT);
+  int rc = sqlite3_step(st);
+  sqlite3_finalize(st);
+  if (rc != SQLITE_DONE) return absl::UnavailableError(absl::StrCat("saving job ", job_id, "'s layout: ", sqlite3_errmsg(db_)));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<JobLayout> JobStore::GetLayout(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  sqlite3_stmt* st = nullptr;
+  sqlite3_prepare_v2(db_, "SELECT layout FROM layouts WHERE id = ?", -1, &st, nullptr);
+  sqlite3_bind_text(st, 1, job_id.c_str(), -1, SQLITE_TRANSIENT);
+  absl::StatusOr<JobLayout> out = absl::NotFoundError(absl::StrCat("no layout of job ", job_id, " in jobs.db"));
+  if (sqlite3_step(st) == SQLITE_ROW) {
+    JobLayout layout;
+    if (layout.ParseFromArray(sqlite3_column_blob(st, 0), sqlite3_column_bytes(st, 0))) {
+      out = std::move(layout);
+    } else {
+      out = absl::DataLossError(absl::StrCat("job ", job_id, "'s layout in jobs.db does not parse"));
     }
   }
   sqlite3_finalize(st);

@@ -1,5 +1,6 @@
-// Job records in SQLite under the coordinator's state directory, so ListJobs survives
-// a restart. Files (models, stages, results) are the ArtifactStore's.
+// Job records and layouts in SQLite under the coordinator's state directory, so
+// ListJobs survives a restart and a restarted coordinator resumes a job on the layout
+// it was prepared with. Files (models, stages, results) are the ArtifactStore's.
 //
 // Thread safety: all methods may be called from any thread (one internal mutex).
 #ifndef PIPPY_COORDINATOR_JOB_STORE_H_
@@ -12,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "proto/coordinator.pb.h"
+#include "proto/plan.pb.h"
 
 struct sqlite3;
 
@@ -27,6 +29,13 @@ class JobStore {
   absl::Status Put(const Job& job);
   // Every record, oldest first; records that do not parse are skipped (logged).
   std::vector<Job> List();
+
+  // A job's layout (pipeline/job/layout.h), saved once when the job is accepted.
+  // Errors: UNAVAILABLE with SQLite's message.
+  absl::Status PutLayout(const std::string& job_id, const JobLayout& layout);
+  // Errors: NOT_FOUND when none was saved (a record of an older version); DATA_LOSS when
+  // it does not parse.
+  absl::StatusOr<JobLayout> GetLayout(const std::string& job_id);
 
   // A counter kept across restarts (the next worker id). Errors: UNAVAILABLE.
   absl::Status PutCounter(const std::string& name, int64_t value);

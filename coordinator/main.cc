@@ -22,134 +22,138 @@ namespace {
 constexpr char kProgram[] = "pippy-coordinator";
 std::unique_ptr<grpc::Server> g_server;
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  using namespace pippy;
-  // The child that loads a submitted model first (coordinator/model_check.h).
-  if ((argc == 3 || argc == 4) && std::string(argv[1]) == coordinator::kCheckModelFlag) {
-    return coordinator::RunModelCheck(argv[2], argc == 4 ? argv[3] : "");
-  }
-  CLI::App app("Splits submitted TorchScript models into pipeline stages, places them on pippy-worker "
-               "daemons and follows the jobs (docs/api.md).",
-               kProgram);
-  cli::Configure(app);
-  std::string bind = "0.0.0.0", state_dir = "pippy-state", port_file, log_level = "info";
+// Every flag, as parsed.
+struct Flags {
+  std::string bind = "0.0.0.0", state_dir = "pippy-state", port_file, log_level = "info", auth_token_file;
   int port = 7070;
   double heartbeat_timeout_s = 10;
   int max_message_mib = 16;
-  app.add_option("--bind", bind, "address to listen on")->capture_default_str();
-  app.add_option("--port", port, "gRPC port; 0 lets the OS choose (see --port-file)")->check(CLI::Range(0, 65535))->capture_default_str();
-  app.add_option("--state-dir", state_dir,
-                 "job records (SQLite), submitted models, stage files and trained models")
-      ->envname("PIPPY_STATE_DIR")->capture_default_str();
-  app.add_option("--heartbeat-timeout-s", heartbeat_timeout_s,
-                 "a worker silent this long is removed and its job fails")
-      ->check(cli::Positive())->capture_default_str();
-  app.add_option("--port-file", port_file, "write the port actually bound to this file (for --port 0)");
-  app.add_option("--max-message-mib", max_message_mib,
-                 "largest gRPC message accepted; files travel in 1 MiB chunks, so models of any size fit")
-      ->check(CLI::Range(2, 2047))->capture_default_str();
-  tls::ServerFiles tls_files;
-  app.add_option("--tls-cert", tls_files.cert, "serve gRPC over TLS with this certificate (PEM; with --tls-key)")
-      ->check(CLI::ExistingFile);
-  app.add_option("--tls-key", tls_files.key, "the certificate's private key (PEM)")->check(CLI::ExistingFile);
-  app.add_option("--tls-client-ca", tls_files.client_ca,
-                 "mTLS for workers: WorkerHub accepts only clients whose certificate this CA signed (PEM)")
-      ->check(CLI::ExistingFile);
+  pippy::tls::ServerFiles tls_files;
   int64_t max_model_mib = 0, max_data_mib = 0;
   int max_streams = 0, max_queued = 0;
-  app.add_option("--max-model-mib", max_model_mib, "refuse submitted models larger than this (0: no limit)")
+  double model_check_timeout_s = 300;
+  bool no_model_check = false;
+  int metrics_port = -1;
+};
+
+void AddFlags(CLI::App& app, Flags* f) {
+  using namespace pippy;
+  app.add_option("--bind", f->bind, "address to listen on")->capture_default_str();
+  app.add_option("--port", f->port, "gRPC port; 0 lets the OS choose (see --port-file)")
+      ->check(CLI::Range(0, 65535))->capture_default_str();
+  app.add_option("--state-dir", f->state_dir,
+                 "job records (SQLite), submitted models, stage files and trained models")
+      ->envname("PIPPY_STATE_DIR")->capture_default_str();
+  app.add_option("--heartbeat-timeout-s", f->heartbeat_timeout_s,
+                 "a worker silent this long is removed and its job fails")
+      ->check(cli::Positive())->capture_default_str();
+  app.add_option("--port-file", f->port_file, "write the port actually bound to this file (for --port 0)");
+  app.add_option("--max-message-mib", f->max_message_mib,
+                 "largest gRPC message accepted; files travel in 1 MiB chunks, so models of any size fit")
+      ->check(CLI::Range(2, 2047))->capture_default_str();
+  app.add_option("--tls-cert", f->tls_files.cert, "serve gRPC over TLS with this certificate (PEM; with --tls-key)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--tls-key", f->tls_files.key, "the certificate's private key (PEM)")->check(CLI::ExistingFile);
+  app.add_option("--tls-client-ca", f->tls_files.client_ca,
+                 "mTLS for workers: WorkerHub accepts only clients whose certificate this CA signed (PEM)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--max-model-mib", f->max_model_mib, "refuse submitted models larger than this (0: no limit)")
       ->check(cli::NonNegative())->capture_default_str();
-  app.add_option("--max-data-mib", max_data_mib, "refuse submitted data files larger than this (0: no limit)")
+  app.add_option("--max-data-mib", f->max_data_mib, "refuse submitted data files larger than this (0: no limit)")
       ->check(cli::NonNegative())->capture_default_str();
-  app.add_option("--max-concurrent-streams", max_streams,
+  app.add_option("--max-concurrent-streams", f->max_streams,
                  "uploads (SubmitJob) and downloads (FetchModel) served at once; more are refused (0: no limit)")
       ->check(cli::NonNegative())->capture_default_str();
-  app.add_option("--max-queued-jobs-per-user", max_queued,
+  app.add_option("--max-queued-jobs-per-user", f->max_queued,
                  "jobs one user may have waiting for workers at once (0: no limit)")
       ->check(cli::NonNegative())->capture_default_str();
-  std::string auth_token_file;
-  app.add_option("--auth-token-file", auth_token_file,
+  app.add_option("--auth-token-file", f->auth_token_file,
                  "user tokens, one \"NAME TOKEN\" per line: every Coordinator call then needs \"authorization: "
                  "Bearer TOKEN\" (pippyctl --token-file / PIPPY_TOKEN), and a job can be cancelled only by its "
                  "submitter")
       ->check(CLI::ExistingFile);
-  double model_check_timeout_s = 300;
-  app.add_option("--model-check-timeout-s", model_check_timeout_s,
+  app.add_option("--model-check-timeout-s", f->model_check_timeout_s,
                  "a submitted model is loaded in a child process first (LibTorch's loader is not hardened "
                  "against corrupt archives); one that takes longer is refused")
       ->check(cli::Positive())->capture_default_str();
-  bool no_model_check = false;
-  app.add_flag("--no-model-check-process", no_model_check,
+  app.add_flag("--no-model-check-process", f->no_model_check,
                "load submitted models only in the coordinator's own process (a corrupt archive can then crash "
                "it; for trusted submitters that want to save the second load)");
-  int metrics_port = -1;
-  app.add_option("--metrics-port", metrics_port,
+  app.add_option("--metrics-port", f->metrics_port,
                  "serve Prometheus metrics at http://BIND:PORT/metrics (0: any free port, printed in the log)")
       ->check(CLI::Range(0, 65535));
-  app.add_option("--log-level", log_level, "debug | info | warn | error")
+  app.add_option("--log-level", f->log_level, "debug | info | warn | error")
       ->check(CLI::IsMember({"debug", "info", "warn", "error", "off"}))->capture_default_str();
-  if (auto code = cli::Parse(app, argc, argv)) return *code;
+}
 
-  absl::Status logging = log::InitWithLevel("coordinator", log_level);
-  if (!logging.ok()) return cli::Fail(kProgram, logging);
+// Writes the port bound to --port-file (atomically: a reader never sees half of it).
+absl::Status WritePortFile(const std::string& path, int port) {
+  const std::string tmp = path + ".tmp";
+  std::ofstream(tmp) << port << "\n";
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    return absl::PermissionDeniedError(absl::StrCat("cannot write --port-file ", path));
+  }
+  return absl::OkStatus();
+}
+
+// Runs the coordinator until SIGTERM or SIGINT.
+int Serve(const Flags& f) {
+  using namespace pippy;
   coordinator::Coordinator::Options opts;
-  opts.state_dir = state_dir;
-  opts.heartbeat_timeout = absl::Seconds(heartbeat_timeout_s);
-  opts.max_queued_per_user = max_queued;
-  if (!no_model_check) opts.model_checker = "/proc/self/exe";
-  opts.model_check_timeout = absl::Seconds(model_check_timeout_s);
+  opts.state_dir = f.state_dir;
+  opts.heartbeat_timeout = absl::Seconds(f.heartbeat_timeout_s);
+  opts.max_queued_per_user = f.max_queued;
+  if (!f.no_model_check) opts.model_checker = "/proc/self/exe";
+  opts.model_check_timeout = absl::Seconds(f.model_check_timeout_s);
   auto logic = coordinator::Coordinator::Create(opts);
   if (!logic.ok()) return cli::Fail(kProgram, logic.status());
   std::unique_ptr<metrics::Server> metrics_server;
-  if (metrics_port >= 0) {
+  if (f.metrics_port >= 0) {
     coordinator::Coordinator* c = logic->get();
-    auto started = metrics::Server::Start(bind, metrics_port, [c] { return c->MetricsText(); });
+    auto started = metrics::Server::Start(f.bind, f.metrics_port, [c] { return c->MetricsText(); });
     if (!started.ok()) return cli::Fail(kProgram, started.status());
     metrics_server = std::move(*started);
-    log::Info("metrics on http://{}:{}/metrics", bind, metrics_server->port());
+    log::Info("metrics on http://{}:{}/metrics", f.bind, metrics_server->port());
   }
   std::unique_ptr<coordinator::TokenAuth> auth;
-  if (!auth_token_file.empty()) {
-    auto loaded = coordinator::TokenAuth::Load(auth_token_file);
+  if (!f.auth_token_file.empty()) {
+    auto loaded = coordinator::TokenAuth::Load(f.auth_token_file);
     if (!loaded.ok()) return cli::Fail(kProgram, loaded.status());
     auth = std::move(*loaded);
-    log::Info("user tokens: {} user(s) from {}", auth->users(), auth_token_file);
+    log::Info("user tokens: {} user(s) from {}", auth->users(), f.auth_token_file);
   }
   coordinator::Limits limits;
-  limits.max_model_bytes = max_model_mib << 20;
-  limits.max_data_bytes = max_data_mib << 20;
-  limits.max_concurrent_streams = max_streams;
+  limits.max_model_bytes = f.max_model_mib << 20;
+  limits.max_data_bytes = f.max_data_mib << 20;
+  limits.max_concurrent_streams = f.max_streams;
   coordinator::CoordinatorGrpc api(logic->get(), auth.get(), limits);
-  auto credentials = tls::ServerCredentials(tls_files);
+  auto credentials = tls::ServerCredentials(f.tls_files);
   if (!credentials.ok()) return cli::Fail(kProgram, credentials.status());
-  coordinator::WorkerHubGrpc hub(logic->get(), /*require_client_cert=*/!tls_files.client_ca.empty());
+  coordinator::WorkerHubGrpc hub(logic->get(), /*require_client_cert=*/!f.tls_files.client_ca.empty());
   // grpc.health.v1.Health: SERVING from the start (the state store is open by now).
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int bound = 0;
-  builder.AddListeningPort(absl::StrCat(bind, ":", port), *credentials, &bound);
-  builder.SetMaxReceiveMessageSize(max_message_mib << 20);
+  builder.AddListeningPort(absl::StrCat(f.bind, ":", f.port), *credentials, &bound);
+  builder.SetMaxReceiveMessageSize(f.max_message_mib << 20);
   builder.RegisterService(&api);
   builder.RegisterService(&hub);
   g_server = builder.BuildAndStart();
   if (!g_server || bound == 0) {
-    return cli::Fail(kProgram, absl::UnavailableError(absl::StrCat("cannot listen on ", bind, ":", port,
+    return cli::Fail(kProgram, absl::UnavailableError(absl::StrCat("cannot listen on ", f.bind, ":", f.port,
                                                                    " (in use? another --port, or --port 0)")));
   }
-  if (!port_file.empty()) {
-    const std::string tmp = port_file + ".tmp";
-    std::ofstream(tmp) << bound << "\n";
-    if (std::rename(tmp.c_str(), port_file.c_str()) != 0) {
-      return cli::Fail(kProgram, absl::PermissionDeniedError(absl::StrCat("cannot write --port-file ", port_file)));
-    }
+  if (!f.port_file.empty()) {
+    absl::Status written = WritePortFile(f.port_file, bound);
+    if (!written.ok()) return cli::Fail(kProgram, written);
   }
   g_server->GetHealthCheckService()->SetServingStatus(true);
-  log::Info("pippy-coordinator listening on {}:{}{} (state in {})", bind, bound,
-            tls_files.cert.empty() ? "" : tls_files.client_ca.empty() ? " over TLS" : " over TLS, workers with mTLS",
-            state_dir);
-  systemd::NotifyReady(absl::StrCat("serving on ", bind, ":", bound));
+  log::Info("pippy-coordinator listening on {}:{}{} (state in {})", f.bind, bound,
+            f.tls_files.cert.empty()             ? ""
+            : f.tls_files.client_ca.empty()      ? " over TLS"
+                                                 : " over TLS, workers with mTLS",
+            f.state_dir);
+  systemd::NotifyReady(absl::StrCat("serving on ", f.bind, ":", bound));
   systemd::StartWatchdog();
   // Workers keep their streams open forever: cancel what is still open after 2 s.
   auto stop = [](int) {
@@ -164,4 +168,24 @@ int main(int argc, char** argv) {
   g_server->Wait();
   log::Info("pippy-coordinator stopped");
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace pippy;
+  // The child that loads a submitted model first (coordinator/model_check.h).
+  if ((argc == 3 || argc == 4) && std::string(argv[1]) == coordinator::kCheckModelFlag) {
+    return coordinator::RunModelCheck(argv[2], argc == 4 ? argv[3] : "");
+  }
+  CLI::App app("Splits submitted TorchScript models into pipeline stages, places them on pippy-worker "
+               "daemons and follows the jobs (docs/api.md).",
+               kProgram);
+  cli::Configure(app);
+  Flags f;
+  AddFlags(app, &f);
+  if (auto code = cli::Parse(app, argc, argv)) return *code;
+  absl::Status logging = log::InitWithLevel("coordinator", f.log_level);
+  if (!logging.ok()) return cli::Fail(kProgram, logging);
+  return Serve(f);
 }

@@ -176,6 +176,107 @@ struct ServingQueue::Impl {
     return pick;
   }
 
+  // Takes up to max_batch rows from bucket `pick`, oldest request first; requests whose
+  // client went away are dropped into `dropped`.
+  Inflight TakeRows(const std::string& pick, Calls* dropped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    Inflight f;
+    auto& q = buckets[pick];
+    while (!q.empty() && f.rows < options.max_batch) {
+      std::shared_ptr<Request> r = q.front();
+      if (r->finished || r->bucket != pick) {
+        q.pop_front();
+        continue;
+      }
+      if (r->Abandoned()) {
+        Complete(*r, Answer{absl::CancelledError("the client went away before its request was sent")}, dropped);
+        q.pop_front();
+        continue;
+      }
+      const int64_t n = std::min(r->rows - r->queued_to, options.max_batch - f.rows);
+      f.segments.push_back({r, r->generation, r->queued_to, r->queued_to + n});
+      r->queued_to += n;
+      f.rows += n;
+      if (r->queued_to == r->rows) q.pop_front();
+      if (r->solo) break;  // alone: nothing shares its micro-batch
+    }
+    return f;
+  }
+
+  // Runs `calls` with the lock released.
+  void RunUnlocked(Calls& calls) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (calls.empty()) return;
+    mu.Unlock();
+    Run(calls);
+    mu.Lock();
+  }
+
+  // Each rank's inputs: a pickled tuple of forward()'s arguments, None where it reads
+  // none ("" for a rank that reads no input at all).
+  static std::vector<std::string> RankInputs(const std::vector<at::Tensor>& batch,
+                                             const std::vector<std::vector<int>>& needs) {
+    std::vector<std::string> per_rank(needs.size());
+    for (size_t r = 0; r < needs.size(); ++r) {
+      if (needs[r].empty()) continue;
+      std::vector<c10::IValue> args(batch.size());
+      for (int i : needs[r]) args[static_cast<size_t>(i)] = batch[static_cast<size_t>(i)];
+      std::vector<char> bytes = torch::jit::pickle_save(c10::ivalue::Tuple::create(std::move(args)));
+      per_rank[r].assign(bytes.data(), bytes.size());
+    }
+    return per_rank;
+  }
+
+  // Builds micro-batch `f` (copies of its requests' rows) and sends it to every rank as
+  // the next step; the lock is released while it is sent. A send that fails (a rank's
+  // stream gone) fails its requests with UNAVAILABLE.
+  void Send(Inflight f) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    const absl::Time now = absl::Now();
+    f.sent = now;
+    for (Segment& s : f.segments) {
+      if (s.request->queue_ms < 0) s.request->queue_ms = Ms(now - s.request->arrival);
+      s.request->microbatch_rows = static_cast<int>(f.rows);
+    }
+    std::vector<at::Tensor> batch;
+    absl::Status built = TorchCall("building a micro-batch", [&] {
+      for (size_t i = 0; i < options.input_names.size(); ++i) {
+        std::vector<at::Tensor> pieces;
+        for (const Segment& s : f.segments) pieces.push_back(s.request->inputs[i].narrow(0, s.begin, s.end - s.begin));
+        batch.push_back(pieces.size() == 1 ? pieces[0].clone() : at::cat(pieces, 0));
+      }
+    });
+    const int64_t step = next_step++;
+    const int64_t rows_sent = f.rows;
+    ++microbatches;
+    microbatch_rows += rows_sent;
+    if (!built.ok()) {
+      Calls calls;
+      for (Segment& s : f.segments) Complete(*s.request, Answer{absl::InternalError(built.message())}, &calls);
+      RunUnlocked(calls);
+      return;
+    }
+    inflight[step] = std::move(f);
+    const Dispatch send = dispatch;
+    const std::vector<std::vector<int>> needs = rank_inputs;
+    const int sent_attempt = attempt;
+    mu.Unlock();
+    const bool ok = send(step, RankInputs(batch, needs), rows_sent);
+    mu.Lock();
+    if (ok || attempt != sent_attempt) return;
+    auto it = inflight.find(step);
+    if (it == inflight.end()) return;
+    Calls calls;
+    for (Segment& s : it->second.segments) {
+      if (s.generation == s.request->generation) {
+        Complete(*s.request,
+                 Answer{absl::UnavailableError("a worker of the serving job is gone; try again once it is SERVING "
+                                               "again")},
+                 &calls);
+      }
+    }
+    inflight.erase(it);
+    RunUnlocked(calls);
+  }
+
+  // The batcher thread: forms micro-batches as they are due and sends them in order.
   void Loop() {
     absl::MutexLock lock(&mu);
     while (!exiting) {
@@ -194,95 +295,10 @@ struct ServingQueue::Impl {
         }
         continue;
       }
-      // Take up to max_batch rows from the bucket, oldest request first.
-      Inflight f;
       Calls dropped;
-      auto& q = buckets[pick];
-      while (!q.empty() && f.rows < options.max_batch) {
-        std::shared_ptr<Request> r = q.front();
-        if (r->finished || r->bucket != pick) {
-          q.pop_front();
-          continue;
-        }
-        if (r->Abandoned()) {
-          Complete(*r, Answer{absl::CancelledError("the client went away before its request was sent")}, &dropped);
-          q.pop_front();
-          continue;
-        }
-        const int64_t n = std::min(r->rows - r->queued_to, options.max_batch - f.rows);
-        f.segments.push_back({r, r->generation, r->queued_to, r->queued_to + n});
-        r->queued_to += n;
-        f.rows += n;
-        if (r->queued_to == r->rows) q.pop_front();
-        if (r->solo) break;  // alone: nothing shares its micro-batch
-      }
-      if (!dropped.empty()) {
-        mu.Unlock();
-        Run(dropped);
-        mu.Lock();
-      }
-      if (f.segments.empty()) continue;
-      const absl::Time now = absl::Now();
-      f.sent = now;
-      for (Segment& s : f.segments) {
-        if (s.request->queue_ms < 0) s.request->queue_ms = Ms(now - s.request->arrival);
-        s.request->microbatch_rows = static_cast<int>(f.rows);
-      }
-      // The micro-batch's inputs (copies of the requests' rows).
-      std::vector<at::Tensor> batch;
-      absl::Status built = TorchCall("building a micro-batch", [&] {
-        for (size_t i = 0; i < options.input_names.size(); ++i) {
-          std::vector<at::Tensor> pieces;
-          for (const Segment& s : f.segments) pieces.push_back(s.request->inputs[i].narrow(0, s.begin, s.end - s.begin));
-          batch.push_back(pieces.size() == 1 ? pieces[0].clone() : at::cat(pieces, 0));
-        }
-      });
-      const int64_t step = next_step++;
-      const int64_t rows_sent = f.rows;
-      ++microbatches;
-      microbatch_rows += rows_sent;
-      if (!built.ok()) {
-        Calls calls;
-        for (Segment& s : f.segments) Complete(*s.request, Answer{absl::InternalError(built.message())}, &calls);
-        mu.Unlock();
-        Run(calls);
-        mu.Lock();
-        continue;
-      }
-      inflight[step] = std::move(f);
-      const Dispatch send = dispatch;
-      const std::vector<std::vector<int>> needs = rank_inputs;
-      const int sent_attempt = attempt;
-      mu.Unlock();
-      // Each rank's inputs: a tuple of forward()'s arguments, None where it reads none.
-      std::vector<std::string> per_rank(needs.size());
-      for (size_t r = 0; r < needs.size(); ++r) {
-        if (needs[r].empty()) continue;
-        std::vector<c10::IValue> args(batch.size());
-        for (int i : needs[r]) args[static_cast<size_t>(i)] = batch[static_cast<size_t>(i)];
-        std::vector<char> bytes = torch::jit::pickle_save(c10::ivalue::Tuple::create(std::move(args)));
-        per_rank[r].assign(bytes.data(), bytes.size());
-      }
-      const bool ok = send(step, per_rank, rows_sent);
-      mu.Lock();
-      if (!ok && attempt == sent_attempt) {
-        auto it = inflight.find(step);
-        if (it != inflight.end()) {
-          Calls calls;
-          for (Segment& s : it->second.segments) {
-            if (s.generation == s.request->generation) {
-              Complete(*s.request,
-                       Answer{absl::UnavailableError("a worker of the serving job is gone; try again once it is "
-                                                     "SERVING again")},
-                       &calls);
-            }
-          }
-          inflight.erase(it);
-          mu.Unlock();
-          Run(calls);
-          mu.Lock();
-        }
-      }
+      Inflight f = TakeRows(pick, &dropped);
+      RunUnlocked(dropped);
+      if (!f.segments.empty()) Send(std::move(f));
     }
   }
 };

@@ -9,6 +9,7 @@
 
 #include "google/protobuf/stubs/logging.h"
 #include "pipeline/job/job_plan.h"
+#include "pipeline/job/layout.h"
 #include "pipeline/job/job_spec.h"
 #include "proto/job.pb.h"
 #include "proto/plan.pb.h"
@@ -56,11 +57,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   stages = std::min(stages, 64);
   const pippy::PipelinePlan plan = ChainPlan(stages);
   if (!pippy::job::RanksFor(spec, plan).ok()) return 0;
-  auto sched = pippy::job::ScheduleFor(spec, plan);
-  if (!sched.ok()) return 0;
-  for (int r = 0; r < sched->num_ranks; ++r) {
-    (void)pippy::job::PlanSliceFor(plan, *sched, r);
-    (void)pippy::job::DataNeedsOf(spec, plan, *sched, r);
+  auto layout = pippy::job::MakeLayout(spec, plan);
+  if (!layout.ok()) return 0;
+  for (int r = 0; r < layout->ranks_size(); ++r) {
+    (void)pippy::job::PlanSlice(plan, layout->ranks(r), r);
+    if (!pippy::job::RankSchedule(layout->ranks(r), r, plan).ok()) __builtin_trap();  // what was made must run
   }
   (void)pippy::job::CheckpointAfter(spec, 1);
   return 0;

@@ -1,12 +1,14 @@
 // Fuzz target: plan.json (pippyctl split --out; read by pippy-rank and checked by every
 // worker that is sent a plan). Any text is refused by the JSON parser or by
-// job::CheckPlan, or is a plan whose stage graph, schedule, per-rank slices and data
-// needs can be computed without reading out of bounds.
+// job::CheckPlan, or is a plan whose stage graph and layout (schedule, per-rank slices,
+// data needs) can be made without reading out of bounds, and every rank's piece of the
+// layout passes RankSchedule's checks.
 #include <cstdint>
 #include <string>
 
 #include "google/protobuf/util/json_util.h"
 #include "pipeline/job/job_plan.h"
+#include "pipeline/job/layout.h"
 #include "pipeline/job/job_spec.h"
 #include "proto/job.pb.h"
 #include "proto/plan.pb.h"
@@ -27,11 +29,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     spec.mutable_optimizer()->set_lr(0.1);
     spec.mutable_split()->set_stages(plan.stages_size());
     if (!pippy::job::CheckSpec(&spec).ok()) continue;
-    auto sched = pippy::job::ScheduleFor(spec, plan);
-    if (!sched.ok()) continue;
-    for (int r = 0; r < sched->num_ranks; ++r) {
-      (void)pippy::job::PlanSliceFor(plan, *sched, r);
-      (void)pippy::job::DataNeedsOf(spec, plan, *sched, r);
+    auto layout = pippy::job::MakeLayout(spec, plan);
+    if (!layout.ok()) continue;
+    for (int r = 0; r < layout->ranks_size(); ++r) {
+      (void)pippy::job::PlanSlice(plan, layout->ranks(r), r);
+      if (!pippy::job::RankSchedule(layout->ranks(r), r, plan).ok()) __builtin_trap();  // what was made must run
     }
   }
   return 0;

@@ -30,6 +30,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "pipeline/job/job_plan.h"
 #include "pipeline/job/job_spec.h"
+#include "pipeline/job/layout.h"
 #include "pipeline/job/rank_job.h"
 #include "pipeline/torchio/model_io.h"
 #include "pipeline/stage/data_source.h"
@@ -126,16 +127,18 @@ absl::Status Run(const Flags& f) {
   PIPPY_ASSIGN_OR_RETURN(PipelinePlan plan, ReadPlan(f.stages_dir + "/plan.json"));
   spec.mutable_split()->set_stages(plan.stages_size());
   PIPPY_RETURN_IF_ERROR(job::CheckSpec(&spec));
-  PIPPY_ASSIGN_OR_RETURN(schedule::Schedule sched, job::ScheduleFor(spec, plan));
-  if (sched.num_ranks != f.world) {
+  // This process's preparation: the job's layout, made once; the rank runs its piece.
+  PIPPY_ASSIGN_OR_RETURN(JobLayout layout, job::MakeLayout(spec, plan));
+  if (layout.ranks_size() != f.world) {
     return absl::InvalidArgumentError(absl::StrCat("--world ", f.world, " but ", plan.stages_size(), " stages at ",
                                                    spec.schedule().stages_per_worker(), " per rank need ",
-                                                   sched.num_ranks, " ranks"));
+                                                   layout.ranks_size(), " ranks"));
   }
   if (f.rank < 0 || f.rank >= f.world) return absl::InvalidArgumentError("--rank must be in [0, --world)");
+  const RankLayout& piece = layout.ranks(f.rank);
   job::SeedProcessForRank(spec, f.rank);
   std::map<int, torch::jit::Module> mine;
-  for (int s : sched.StagesOf(f.rank)) {
+  for (int s : job::StagesOf(piece, f.rank)) {
     PIPPY_ASSIGN_OR_RETURN(mine[s], torchio::LoadModel(absl::StrCat(f.stages_dir, "/stage_", s, ".pt")));
   }
   std::vector<std::string> names;
@@ -153,7 +156,7 @@ absl::Status Run(const Flags& f) {
   PIPPY_RETURN_IF_ERROR(ucx->Connect(addresses));
   // A GPU rank's tensors cross through host memory (ucx+staging).
   PIPPY_ASSIGN_OR_RETURN(auto staged, transport::staging::StagingTransport::ForDevice(ucx.get(), device));
-  PIPPY_ASSIGN_OR_RETURN(auto rank_job, job::RankJob::Create(spec, plan, f.rank, std::move(mine), staged.get(),
+  PIPPY_ASSIGN_OR_RETURN(auto rank_job, job::RankJob::Create(spec, plan, piece, f.rank, std::move(mine), staged.get(),
                                                              absl::Seconds(f.timeout_s), nullptr, device));
   KeepFreedMemory();  // the stages are loaded: from here on, buffers are reused step after step
   for (int step = 0; step < f.steps; ++step) {

@@ -596,7 +596,7 @@ class Agent {
   absl::Status RunRank(Incoming in) {
     const Assignment& a = in.assignment;
     const JobSpec& spec = a.spec();
-    log::Info("job={} rank={} of {}: received {} bytes; loading stage(s)", a.job_id(), a.rank(), a.world_size(),
+    log::Info("job={} rank={} of {}: received {} bytes; loading stage(s)", a.job_id(), a.rank(), a.layout().num_ranks(),
               in.bytes_received);
     if (std::max(1, spec.replicas()) > 1 && device_.is_gpu()) {
       return absl::UnimplementedError(absl::StrCat("data parallelism (replicas ", spec.replicas(), ") runs on CPU "
@@ -607,7 +607,7 @@ class Agent {
     }
     at::set_num_threads(options_.threads);
     torch::jit::setGraphExecutorOptimize(false);
-    job::SeedProcessForRank(spec, a.rank(), a.replica(), a.world_size());
+    job::SeedProcessForRank(spec, a.rank(), a.replica(), a.layout().num_ranks());
     std::map<int, torch::jit::Module> stages;
     int64_t param_bytes = 0;
     for (auto& [s, bytes] : in.stages) {
@@ -626,7 +626,7 @@ class Agent {
     transport::ucx::Options uo;
     if (!options_.ucx_tls.empty()) uo.ucx_config = {{"TLS", options_.ucx_tls}};
     uo.receive_buffer = transport::staging::ReceiveBuffersFor(device);  // pinned on a GPU
-    PIPPY_ASSIGN_OR_RETURN(auto ucx, transport::ucx::UcxTransport::Create(a.rank(), a.world_size(), uo));
+    PIPPY_ASSIGN_OR_RETURN(auto ucx, transport::ucx::UcxTransport::Create(a.rank(), a.layout().num_ranks(), uo));
     WorkerMessage addr;
     addr.mutable_address()->set_job_id(a.job_id());
     addr.mutable_address()->set_rank(a.rank());
@@ -666,7 +666,7 @@ class Agent {
     if (group != nullptr) PIPPY_RETURN_IF_ERROR(group->Connect(replica_peers));
     // A GPU rank's tensors cross to other ranks through host memory (ucx+staging).
     PIPPY_ASSIGN_OR_RETURN(auto staged, transport::staging::StagingTransport::ForDevice(ucx.get(), device));
-    PIPPY_ASSIGN_OR_RETURN(auto rank_job, job::RankJob::Create(spec, a.plan(), a.rank(), std::move(stages), staged.get(),
+    PIPPY_ASSIGN_OR_RETURN(auto rank_job, job::RankJob::Create(spec, a.plan(), a.layout(), a.rank(), std::move(stages), staged.get(),
                                                                options_.wait_timeout, group.get(), device));
     {
       absl::MutexLock lock(&mu_);

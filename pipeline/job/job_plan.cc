@@ -1,9 +1,6 @@
 #include "pipeline/job/job_plan.h"
 
 #include <algorithm>
-#include <set>
-#include <tuple>
-#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/device.h"
@@ -122,14 +119,6 @@ DataNeeds DataNeedsOf(const JobSpec& spec, const PipelinePlan& plan, const sched
   return needs;
 }
 
-PipelinePlan PlanSliceFor(const PipelinePlan& plan, const schedule::Schedule& schedule, int rank) {
-  PipelinePlan slice = plan;
-  for (StagePlan& sp : *slice.mutable_stages()) {
-    if (schedule.stage_to_rank[sp.index()] != rank) sp.clear_parameters();
-  }
-  return slice;
-}
-
 int64_t RankMemoryBytes(const JobSpec& spec, const PipelinePlan& plan, const std::vector<int>& stage_to_rank,
                         int rank) {
   int64_t copies = 1;  // the parameters (and buffers)
@@ -148,32 +137,11 @@ int64_t RankMemoryBytes(const JobSpec& spec, const PipelinePlan& plan, const std
   return bytes * copies;
 }
 
-std::vector<EdgeTransport> EdgeTransportsFor(const PipelinePlan& plan, const std::vector<int>& stage_to_rank,
-                                             const std::vector<RankPlace>& ranks, bool use_nccl) {
-  std::vector<EdgeTransport> edges;
-  std::set<std::pair<int, int>> seen;
-  for (const StagePlan& sp : plan.stages()) {
-    for (const StageOutput& out : sp.outputs()) {
-      for (int c : out.consumers()) {
-        const int from = stage_to_rank[static_cast<size_t>(sp.index())];
-        const int to = stage_to_rank[static_cast<size_t>(c)];
-        if (from == to || !seen.insert({sp.index(), c}).second) continue;
-        const RankPlace& a = ranks[static_cast<size_t>(from)];
-        const RankPlace& b = ranks[static_cast<size_t>(to)];
-        EdgeTransport e{sp.index(), c, from, to, "ucx"};
-        if (a.device.is_gpu() && b.device.is_gpu()) {
-          e.transport = use_nccl && !(a.host == b.host && a.device == b.device) ? "nccl" : "ucx+staging";
-        } else if (a.device.is_gpu() || b.device.is_gpu()) {
-          e.transport = "ucx+staging";
-        }
-        edges.push_back(e);
-      }
-    }
+std::string TransportFor(const RankPlace& from, const RankPlace& to, bool use_nccl) {
+  if (from.device.is_gpu() && to.device.is_gpu()) {
+    return use_nccl && !(from.host == to.host && from.device == to.device) ? "nccl" : "ucx+staging";
   }
-  std::sort(edges.begin(), edges.end(), [](const EdgeTransport& x, const EdgeTransport& y) {
-    return std::tie(x.from_stage, x.to_stage) < std::tie(y.from_stage, y.to_stage);
-  });
-  return edges;
+  return from.device.is_gpu() || to.device.is_gpu() ? "ucx+staging" : "ucx";
 }
 
 }  // namespace pippy::job

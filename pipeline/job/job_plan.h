@@ -1,8 +1,7 @@
-// From a checked job spec and the partitioner's plan to what each rank runs: the
-// schedule (per-rank action lists and the stage -> rank placement), the stages each
-// rank holds, the slice of the plan it is sent and the data it needs. Written once
-// and used by the coordinator (at submission and placement), the worker, pippy-rank,
-// the benchmarks and the tests. No LibTorch.
+// The pieces a job's layout (layout.h) is made of, from a checked job spec and the
+// partitioner's plan: the plan's checks and stage graph, the schedule (per-rank action
+// lists and the stage -> rank placement), the data and memory each rank needs, and the
+// transport of an edge between two placed ranks. No LibTorch.
 #ifndef PIPPY_PIPELINE_JOB_JOB_PLAN_H_
 #define PIPPY_PIPELINE_JOB_JOB_PLAN_H_
 
@@ -46,10 +45,6 @@ struct DataNeeds {
 };
 DataNeeds DataNeedsOf(const JobSpec& spec, const PipelinePlan& plan, const schedule::Schedule& schedule, int rank);
 
-// The plan as a rank is sent it: every stage's inputs, outputs and consumers, the
-// tied-weight groups, and parameter lists only for the rank's own stages.
-PipelinePlan PlanSliceFor(const PipelinePlan& plan, const schedule::Schedule& schedule, int rank);
-
 // Device memory a rank's stages need (a GPU worker's placement is checked against it):
 // their parameters, plus for a training job their gradients and the optimizer's state
 // (SGD with momentum: one buffer; Adam and AdamW: two). Activations are not counted.
@@ -62,19 +57,6 @@ struct RankPlace {
   Device device;
 };
 
-// How activations and gradients cross one edge of the stage graph between two ranks:
-//   "ucx"          both ranks on CPUs;
-//   "nccl"         both on GPUs, and not the same one (another host, or another
-//                  ordinal on the same host), where NCCL is used (`use_nccl`);
-//   "ucx+staging"  a GPU and a CPU rank, or two workers sharing one GPU (NCCL needs a
-//                  device per rank): CUDA tensors staged through pinned host buffers
-//                  and sent over UCX.
-struct EdgeTransport {
-  int from_stage = 0, to_stage = 0;
-  int from_rank = 0, to_rank = 0;
-  std::string transport;
-};
-
 // Whether the workers run NCCL between a job's GPU ranks. Not yet: the NCCL backend
 // (transport/nccl) is built and tested on its own, but workers do not build a job's
 // communicator, so every GPU edge is "ucx+staging" for now. Before they can, the
@@ -83,12 +65,16 @@ struct EdgeTransport {
 // checking it needs two GPUs.
 inline constexpr bool kJobsUseNccl = false;
 
-// Every edge (producer stage -> consumer stage) whose stages are on different ranks,
-// in stage order, with its transport, for the placement `ranks` (by rank). With
-// `use_nccl` false, edges between different GPUs stage over UCX too.
-// REQUIRES: CheckPlan passed; stage_to_rank and ranks cover the plan's ranks.
-std::vector<EdgeTransport> EdgeTransportsFor(const PipelinePlan& plan, const std::vector<int>& stage_to_rank,
-                                             const std::vector<RankPlace>& ranks, bool use_nccl = kJobsUseNccl);
+// How activations and gradients cross an edge of the stage graph from a rank placed at
+// `from` to one at `to`:
+//   "ucx"          both ranks on CPUs;
+//   "nccl"         both on GPUs, and not the same one (another host, or another
+//                  ordinal on the same host), where NCCL is used (`use_nccl`);
+//   "ucx+staging"  a GPU and a CPU rank, or two workers sharing one GPU (NCCL needs a
+//                  device per rank): CUDA tensors staged through pinned host buffers
+//                  and sent over UCX.
+// With `use_nccl` false, edges between different GPUs stage over UCX too.
+std::string TransportFor(const RankPlace& from, const RankPlace& to, bool use_nccl = kJobsUseNccl);
 
 }  // namespace pippy::job
 

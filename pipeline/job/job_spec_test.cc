@@ -231,58 +231,6 @@ TEST(CheckSpec, Serving_ConflictingFieldsAreNamed) {
   }
 }
 
-// A chain of 4 stages with a skip connection 0 -> 2.
-PipelinePlan ChainWithSkip() {
-  PipelinePlan plan;
-  for (int s = 0; s < 4; ++s) {
-    StagePlan* sp = plan.add_stages();
-    sp->set_index(s);
-    sp->set_is_last(s == 3);
-    if (s < 3) sp->add_outputs()->add_consumers(s + 1);
-  }
-  plan.mutable_stages(0)->mutable_outputs(0)->add_consumers(2);
-  return plan;
-}
-
-// A rank on `host` with the device `device` ("cpu", "cuda:N").
-RankPlace P(const std::string& host, const std::string& device) { return {host, *ParseDevice(device)}; }
-
-TEST(EdgeTransportsFor, ChoosesPerPairOfRanks) {
-  const PipelinePlan plan = ChainWithSkip();
-  const std::vector<int> stage_to_rank = {0, 1, 2, 3};
-  auto kinds = [&](const std::vector<RankPlace>& ranks) {
-    std::vector<std::string> out;
-    for (const EdgeTransport& e : EdgeTransportsFor(plan, stage_to_rank, ranks)) {
-      out.push_back(absl::StrCat(e.from_stage, "->", e.to_stage, " ", e.transport));
-    }
-    return out;
-  };
-  using V = std::vector<std::string>;
-  // CPU workers: UCX everywhere (the skip connection is an edge of its own).
-  EXPECT_EQ(kinds({P("a", "cpu"), P("a", "cpu"), P("b", "cpu"), P("b", "cpu")}),
-            (V{"0->1 ucx", "0->2 ucx", "1->2 ucx", "2->3 ucx"}));
-  // GPUs: NCCL between different GPUs (same host or not); two workers sharing a GPU,
-  // and a GPU rank next to a CPU rank, stage through host memory over UCX.
-  const std::vector<RankPlace> gpus = {P("a", "cuda:0"), P("a", "cuda:1"), P("b", "cuda:0"), P("b", "cuda:0")};
-  EXPECT_EQ(kinds(gpus), (V{"0->1 ucx+staging", "0->2 ucx+staging", "1->2 ucx+staging", "2->3 ucx+staging"}))
-      << "workers do not run NCCL in jobs yet (kJobsUseNccl)";
-  std::vector<std::string> with_nccl;
-  for (const EdgeTransport& e : EdgeTransportsFor(plan, stage_to_rank, gpus, /*use_nccl=*/true)) {
-    with_nccl.push_back(absl::StrCat(e.from_stage, "->", e.to_stage, " ", e.transport));
-  }
-  EXPECT_EQ(with_nccl, (V{"0->1 nccl", "0->2 nccl", "1->2 nccl", "2->3 ucx+staging"}));
-  EXPECT_EQ(kinds({P("a", "cuda:0"), P("a", "cpu"), P("a", "cuda:0"), P("b", "cpu")}),
-            (V{"0->1 ucx+staging", "0->2 ucx+staging", "1->2 ucx+staging", "2->3 ucx+staging"}));
-  // Stages on the same rank are no edge.
-  auto same = EdgeTransportsFor(plan, {0, 0, 1, 1}, {P("a", "cpu"), P("a", "cpu")});
-  ASSERT_EQ(same.size(), 2u);
-  EXPECT_EQ(same[0].from_stage, 0);
-  EXPECT_EQ(same[0].to_stage, 2);
-  EXPECT_EQ(same[1].from_stage, 1);
-  EXPECT_EQ(same[1].from_rank, 0);
-  EXPECT_EQ(same[1].to_rank, 1);
-}
-
 TEST(CheckPlan, BrokenCrossReferences_AreNamed) {
   PipelinePlan plan;
   plan.add_inputs()->set_name("x");

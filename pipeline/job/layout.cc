@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "pipeline/job/job_spec.h"
+#include "pipeline/schedule/simulator.h"
 
 namespace pippy::job {
 
@@ -74,24 +75,12 @@ absl::StatusOr<schedule::Schedule> RankSchedule(const RankLayout& piece, int ran
   for (int k = 0; k < piece.actions_size(); ++k) {
     absl::StatusOr<schedule::Action> a = schedule::ParseAction(piece.actions(k));
     if (!a.ok()) return Bad(rank, absl::StrCat("actions[", k, "]: ", a.status().message()));
-    if (a->stage < 0 || a->stage >= stages || sched.stage_to_rank[static_cast<size_t>(a->stage)] != rank) {
-      return Bad(rank, absl::StrCat("actions[", k, "] ", piece.actions(k), " names a stage rank ", rank,
-                                    " does not hold"));
-    }
-    if (a->microbatch < 0 || a->microbatch >= sched.num_microbatches) {
-      return Bad(rank, absl::StrCat("actions[", k, "] ", piece.actions(k), " names a micro-batch of none of the ",
-                                    sched.num_microbatches));
-    }
-    const bool backward = a->type == schedule::ActionType::kBackward || a->type == schedule::ActionType::kBackwardInput ||
-                          a->type == schedule::ActionType::kBackwardWeight ||
-                          a->type == schedule::ActionType::kSendBackward ||
-                          a->type == schedule::ActionType::kRecvBackward;
-    if (sched.forward_only && backward) {
-      return Bad(rank, absl::StrCat("actions[", k, "] ", piece.actions(k), " is a backward in a forward-only layout"));
-    }
     mine.push_back(*a);
   }
-  sched.name = "layout";
+  sched.name = absl::StrCat("rank ", rank, "'s layout");
+  // Every action on one of its stages and in range, each stage forwarded (and
+  // backpropagated) once per micro-batch, the SENDs and RECVs its edges need.
+  PIPPY_RETURN_IF_ERROR(schedule::ValidateRank(sched, rank));
   return sched;
 }
 

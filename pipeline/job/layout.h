@@ -31,8 +31,9 @@ absl::StatusOr<JobLayout> MakeLayout(const JobSpec& spec, const PipelinePlan& pl
 // The schedule `rank` runs, from its piece: its own action list (the other ranks' lists
 // are empty: a rank runs only its own), the placement, and the plan's stage graph. The
 // piece is checked against the plan as anything received must be: the placement covers
-// the plan's stages, every action is well formed and names one of the rank's stages and
-// a micro-batch of the step, a forward-only piece has no backward.
+// the plan's stages, every action parses, and the list passes schedule::ValidateRank
+// (on the rank's stages, in range, each stage forwarded and backpropagated once per
+// micro-batch, the SENDs and RECVs its edges need).
 // Errors: INVALID_ARGUMENT naming the field and what is wrong.
 absl::StatusOr<schedule::Schedule> RankSchedule(const RankLayout& piece, int rank, const PipelinePlan& plan);
 

@@ -8,6 +8,7 @@
 #include "common/status.h"
 #include "common/torch_status.h"
 #include "pipeline/job/job_plan.h"
+#include "pipeline/job/layout.h"
 #include "torch/serialize.h"
 
 namespace pippy::job {
@@ -34,7 +35,8 @@ void SeedProcessForRank(const JobSpec& spec, int rank, int replica, int ranks_pe
                      static_cast<uint64_t>(rank));
 }
 
-absl::StatusOr<std::unique_ptr<RankJob>> RankJob::Create(const JobSpec& spec, const PipelinePlan& plan, int rank,
+absl::StatusOr<std::unique_ptr<RankJob>> RankJob::Create(const JobSpec& spec, const PipelinePlan& plan,
+                                                         const RankLayout& piece, int rank,
                                                          std::map<int, torch::jit::Module> stages,
                                                          transport::Transport* transport, absl::Duration timeout,
                                                          transport::ReplicaGroup* replicas, c10::Device device) {
@@ -49,7 +51,7 @@ absl::StatusOr<std::unique_ptr<RankJob>> RankJob::Create(const JobSpec& spec, co
   job->rank_ = rank;
   job->replica_ = replicas != nullptr ? replicas->index() : 0;
   PIPPY_RETURN_IF_ERROR(CheckPlan(plan));
-  PIPPY_ASSIGN_OR_RETURN(job->schedule_, ScheduleFor(spec, plan));
+  PIPPY_ASSIGN_OR_RETURN(job->schedule_, RankSchedule(piece, rank, plan));
   stage::RuntimeOptions ro = RuntimeOptionsFor(spec, timeout);
   ro.replicas = replicas;
   ro.device = device;

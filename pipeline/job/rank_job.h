@@ -1,7 +1,8 @@
 // One rank of a job, set up the one way every caller sets it up: the worker daemon,
 // pippy-rank, the benchmarks and the tests. From the checked spec, the plan (or the
-// rank's slice of it), the rank's stage modules and a transport, it makes the
-// schedule, the runtime options and the RankRuntime, and runs steps on a DataSource.
+// rank's slice of it), the rank's piece of the job's layout (layout.h: its action list,
+// run as it is, never made again), the rank's stage modules and a transport, it makes
+// the runtime options and the RankRuntime, and runs steps on a DataSource.
 //
 // Thread safety: as RankRuntime (one thread runs steps; Cancel from any thread).
 #ifndef PIPPY_PIPELINE_JOB_RANK_JOB_H_
@@ -33,10 +34,11 @@ void SeedProcessForRank(const JobSpec& spec, int rank, int replica = 0, int rank
 
 class RankJob {
  public:
-  // REQUIRES: CheckSpec(&spec) passed. `stages`: stage index -> module, exactly the
-  // stages the schedule places on `rank`. The transport must outlive the RankJob.
-  // Errors: INVALID_ARGUMENT when the spec's schedule cannot run this plan, or the
-  // stages, plan and schedule disagree.
+  // REQUIRES: CheckSpec(&spec) passed; `piece` is `rank`'s part of the job's layout
+  // (MakeLayout, made from the same spec and plan). `stages`: stage index -> module,
+  // exactly the stages the piece places on `rank`. The transport must outlive the RankJob.
+  // Errors: INVALID_ARGUMENT when the piece does not fit the plan (RankSchedule), or
+  // the stages, plan and piece disagree.
   // Data parallelism (spec.replicas > 1): `replicas` is this rank's group across the
   // replicas (its index is the replica), which must outlive the RankJob; the rank then
   // trains on its replica's slice of every batch. Errors: also INVALID_ARGUMENT when
@@ -44,7 +46,8 @@ class RankJob {
   // `device`: where the stages, activations, gradients and optimizer state live (see
   // RuntimeOptions::device; a GPU rank's transport must deliver there). An fp32 job on
   // a GPU turns TF32 off for the process, so that it computes what PyTorch's fp32 does.
-  static absl::StatusOr<std::unique_ptr<RankJob>> Create(const JobSpec& spec, const PipelinePlan& plan, int rank,
+  static absl::StatusOr<std::unique_ptr<RankJob>> Create(const JobSpec& spec, const PipelinePlan& plan,
+                                                         const RankLayout& piece, int rank,
                                                          std::map<int, torch::jit::Module> stages,
                                                          transport::Transport* transport, absl::Duration timeout,
                                                          transport::ReplicaGroup* replicas = nullptr,
@@ -76,6 +79,7 @@ class RankJob {
   void Cancel() { runtime_->Cancel(); }
 
   int rank() const { return rank_; }
+  // The schedule as this rank runs it: its own action list only (RankSchedule).
   const schedule::Schedule& schedule() const { return schedule_; }
   // The rank's stage modules; a training job trains their parameters in place.
   const std::map<int, torch::jit::Module>& stages() const { return runtime_->stages(); }

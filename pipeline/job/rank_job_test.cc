@@ -2,6 +2,7 @@
 // stages (TorchScript) and SaveState() ends with exactly (bitwise) the parameters of
 // the uninterrupted job, for SGD with momentum and for AdamW; the random number
 // generator comes back; bad state bytes are DATA_LOSS.
+#include "pipeline/job/layout.h"
 #include "pipeline/job/rank_job.h"
 
 #include <thread>
@@ -47,8 +48,11 @@ struct Ranks {
 void MakeRanks(const JobSpec& spec, const PipelinePlan& plan, const std::vector<torch::jit::Module>& stages,
                Ranks* out) {
   out->transports = transport::loopback::Create(2);
+  absl::StatusOr<JobLayout> layout = MakeLayout(spec, plan);
+  ASSERT_TRUE(layout.ok()) << layout.status();
   for (int r = 0; r < 2; ++r) {
-    auto rj = RankJob::Create(spec, plan, r, {{r, stages[r]}}, out->transports[r].get(), absl::Seconds(30));
+    auto rj = RankJob::Create(spec, plan, layout->ranks(r), r, {{r, stages[r]}}, out->transports[r].get(),
+                              absl::Seconds(30));
     ASSERT_TRUE(rj.ok()) << rj.status();
     out->jobs.push_back(std::move(*rj));
   }
@@ -215,11 +219,13 @@ TEST(RankJobReplicas, TwoReplicas_TrainLikeOnePipelineOnTheWholeBatch) {
     for (auto& t : connect) t.join();
   }
   std::vector<Ranks> replicas(2);
+  absl::StatusOr<JobLayout> layout = MakeLayout(two, pipe->plan);
+  ASSERT_TRUE(layout.ok()) << layout.status();
   for (int r = 0; r < 2; ++r) {
     replicas[r].transports = transport::loopback::Create(2);
     for (int p = 0; p < 2; ++p) {
-      auto rj = RankJob::Create(two, pipe->plan, p, {{p, Reload(pipe->stages[p])}}, replicas[r].transports[p].get(),
-                                absl::Seconds(30), groups[p][r].get());
+      auto rj = RankJob::Create(two, pipe->plan, layout->ranks(p), p, {{p, Reload(pipe->stages[p])}},
+                                replicas[r].transports[p].get(), absl::Seconds(30), groups[p][r].get());
       ASSERT_TRUE(rj.ok()) << rj.status();
       replicas[r].jobs.push_back(std::move(*rj));
     }
@@ -286,7 +292,10 @@ TEST(RankJobReplicas, GroupThatDoesNotMatchTheSpec_IsRefused) {
   two.set_replicas(2);
   ASSERT_TRUE(CheckSpec(&two).ok());
   auto transports = transport::loopback::Create(2);
-  auto rj = RankJob::Create(two, pipe->plan, 0, {{0, pipe->stages[0]}}, transports[0].get(), absl::Seconds(1));
+  absl::StatusOr<JobLayout> layout = MakeLayout(two, pipe->plan);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  auto rj = RankJob::Create(two, pipe->plan, layout->ranks(0), 0, {{0, pipe->stages[0]}}, transports[0].get(),
+                            absl::Seconds(1));
   EXPECT_TRUE(absl::IsInvalidArgument(rj.status())) << rj.status();
   JobSpec odd = SpecFor(OPTIMIZER_SGD, 12);
   odd.set_replicas(2);  // 12 rows do not split into 2 replicas x 4 micro-batches

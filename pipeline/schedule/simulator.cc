@@ -67,15 +67,19 @@ std::string RenderSteps(const Schedule& sc, const std::vector<int>& marks) {
   return out;
 }
 
-absl::Status Validate(const Schedule& sc) {
+namespace {
+
+// Validate's checks, of every rank (`only` < 0) or of rank `only` alone: the action
+// lists of the other ranks are then not looked at, and only the stages `only` holds.
+absl::Status CheckActions(const Schedule& sc, int only) {
   if (static_cast<int>(sc.ranks.size()) != sc.num_ranks ||
       static_cast<int>(sc.stage_to_rank.size()) != sc.num_stages ||
       sc.graph.num_stages() != sc.num_stages) {
     return absl::InvalidArgumentError("schedule shape is inconsistent (ranks, stages, graph)");
   }
   std::map<Key, int> count;
-  std::map<Key, int> where;  // (type, stage, mb) -> rank, for comm actions
   for (int r = 0; r < sc.num_ranks; ++r) {
+    if (only >= 0 && r != only) continue;
     for (size_t i = 0; i < sc.ranks[r].size(); ++i) {
       const Action& a = sc.ranks[r][i];
       std::vector<int> marks(sc.num_ranks, -1);
@@ -101,6 +105,7 @@ absl::Status Validate(const Schedule& sc) {
     }
   }
   for (int s = 0; s < sc.num_stages; ++s) {
+    if (only >= 0 && sc.stage_to_rank[s] != only) continue;
     for (int mb = 0; mb < sc.num_microbatches; ++mb) {
       auto has = [&](ActionType t) { return count[K(t, s, mb)] > 0; };
       std::string where_s = absl::StrCat("stage ", s, " micro-batch ", mb, " (rank ", sc.stage_to_rank[s], ")");
@@ -136,6 +141,17 @@ absl::Status Validate(const Schedule& sc) {
     }
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status Validate(const Schedule& sc) { return CheckActions(sc, -1); }
+
+absl::Status ValidateRank(const Schedule& sc, int rank) {
+  if (rank < 0 || rank >= sc.num_ranks) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " is not one of the schedule's ", sc.num_ranks));
+  }
+  return CheckActions(sc, rank);
 }
 
 absl::StatusOr<SimulationResult> Simulate(const Schedule& sc, const Costs& costs) {

@@ -50,6 +50,14 @@ struct SimulationResult {
 // Errors: INVALID_ARGUMENT with what is wrong and the grid.
 absl::Status Validate(const Schedule& schedule);
 
+// Validate's checks of one rank's action list alone, for a rank that was sent only its
+// own (the whole schedule was validated, and simulated, when the job's layout was
+// made): every action on a stage it holds and in range, each of its stages forwarded
+// and backpropagated once per micro-batch, and every SEND and RECV its stages' edges
+// to other ranks need. Whether the ranks' lists fit together is not checked here.
+// Errors: INVALID_ARGUMENT with what is wrong and the grid.
+absl::Status ValidateRank(const Schedule& schedule, int rank);
+
 // Validates, then simulates. Errors: INVALID_ARGUMENT (invalid or deadlocks).
 absl::StatusOr<SimulationResult> Simulate(const Schedule& schedule, const Costs& costs = {});
 

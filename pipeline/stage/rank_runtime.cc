@@ -178,8 +178,10 @@ absl::StatusOr<std::unique_ptr<RankRuntime>> RankRuntime::Create(int rank, const
       return absl::InvalidArgumentError(absl::StrCat("stage ", s, " does not belong on rank ", rank));
     }
   }
-  // A schedule that cannot run is refused before anything runs (with the grid).
-  PIPPY_RETURN_IF_ERROR(schedule::Validate(schedule));
+  // An action list that cannot run is refused before anything runs (with the grid).
+  // Only this rank's: a rank is sent its own list (the whole schedule was validated
+  // when the job's layout was made, job::MakeLayout).
+  PIPPY_RETURN_IF_ERROR(schedule::ValidateRank(schedule, rank));
   std::unique_ptr<RankRuntime> rt(new RankRuntime());
   rt->rank_ = rank;
   rt->plan_ = plan;

@@ -22,6 +22,7 @@
 #include "proto/names.h"
 #include "pipeline/job/job_plan.h"
 #include "pipeline/job/job_spec.h"
+#include "pipeline/job/layout.h"
 #include "pipeline/job/rank_job.h"
 #include "pipeline/torchio/model_io.h"
 #include "pipeline/partition/partition.h"
@@ -212,10 +213,13 @@ void RunPipeline(const Case& c, const std::vector<c10::IValue>& inputs, const c1
     auto sched = job::ScheduleFor(spec, run->pipe.plan);
     ASSERT_TRUE(sched.ok()) << sched.status();
     run->schedule = *sched;
+    absl::StatusOr<JobLayout> layout = job::MakeLayout(spec, run->pipe.plan);
+    ASSERT_TRUE(layout.ok()) << layout.status();
     for (int r = 0; r < c.ranks; ++r) {
       std::map<int, torch::jit::Module> mine;
       for (int s : run->schedule.StagesOf(r)) mine[s] = run->pipe.stages[s];
-      auto rj = job::RankJob::Create(spec, run->pipe.plan, r, mine, transports[r].get(), absl::Seconds(30));
+      auto rj = job::RankJob::Create(spec, run->pipe.plan, layout->ranks(r), r, mine, transports[r].get(),
+                                     absl::Seconds(30));
       ASSERT_TRUE(rj.ok()) << rj.status();
       jobs.push_back(std::move(*rj));
     }
@@ -549,10 +553,14 @@ TEST_F(RuntimeBehaviourTest, MissingRecv_RejectedBeforeRunningWithGrid) {
   auto& l = sched->ranks[1];
   l.erase(std::find(l.begin(), l.end(), schedule::Action{1, schedule::ActionType::kRecvForward, 2}));
   auto transports = transport::loopback::Create(2);
-  auto rt = RankRuntime::Create(0, pipe->plan, {{0, pipe->stages[0]}}, *sched, transports[0].get(), RuntimeOptions{});
+  // Each rank checks its own list (the whole schedule is checked when a job's layout is
+  // made): rank 1, whose list lacks the receive, refuses it; rank 0's list is whole.
+  auto rt = RankRuntime::Create(1, pipe->plan, {{1, pipe->stages[1]}}, *sched, transports[1].get(), RuntimeOptions{});
   EXPECT_EQ(rt.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(rt.status().message(), HasSubstr("no RECV_F (1RECV_F2)"));
   EXPECT_THAT(rt.status().message(), HasSubstr("rank 1"));
+  EXPECT_TRUE(RankRuntime::Create(0, pipe->plan, {{0, pipe->stages[0]}}, *sched, transports[0].get(), RuntimeOptions{})
+                  .ok());
 }
 
 TEST_F(RuntimeBehaviourTest, PeerNeverRuns_TimeoutSaysWhereRankStood) {

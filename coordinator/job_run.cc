@@ -1,0 +1,465 @@
+#include "coordinator/job_run.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/log.h"
+#include "pipeline/job/job_spec.h"
+#include "pipeline/job/layout.h"
+#include "proto/job_state.h"
+
+namespace pippy::coordinator {
+namespace {
+
+int64_t NowMs() { return absl::ToUnixMillis(absl::Now()); }
+
+std::shared_ptr<ServingQueue> MakeServingQueue(const Job& job) {
+  ServingQueue::Options o;
+  o.job_id = job.job_id();
+  const ServingSpec& sv = job.spec().serving();
+  o.max_batch = sv.max_batch();
+  o.max_delay = absl::Milliseconds(sv.max_delay_ms());
+  o.stages = job.plan().stages_size();
+  o.max_inflight = sv.max_inflight() > 0 ? sv.max_inflight() : o.stages + 1;
+  for (const ModelValue& v : job.plan().inputs()) {
+    o.input_names.push_back(v.name());
+    o.input_dtypes.push_back(v.has_example() ? v.example().dtype() : "");
+    o.input_dims.push_back(v.has_example() ? v.example().shape_size() : -1);
+  }
+  return std::make_shared<ServingQueue>(o);
+}
+
+}  // namespace
+
+JobRun::JobRun(Stores stores, Job job, JobLayout layout)
+    : stores_(stores), job_(std::move(job)), layout_(std::move(layout)) {
+  if (job_.spec().has_serving() && !IsTerminal(job_.state())) serving_ = MakeServingQueue(job_);
+}
+
+JobRun::JobRun(Stores stores, Job job, JobLayout layout, std::vector<int64_t> share_bytes,
+               std::shared_ptr<const PreparedStages> stages)
+    : JobRun(stores, std::move(job), std::move(layout)) {
+  share_bytes_ = std::move(share_bytes);
+  stages_ = std::move(stages);
+  job_.clear_stage_ranks();
+  if (layout_.ranks_size() > 0) {
+    for (int r : layout_.ranks(0).stage_to_rank()) job_.add_stage_ranks(r);
+  }
+  absl::Status saved = stores_.records->PutLayout(id(), layout_);
+  if (!saved.ok()) log::Warn("job={} layout not saved (a restart cannot resume it): {}", id(), saved.message());
+  Touch();
+}
+
+std::unique_ptr<JobRun> JobRun::Restore(Stores stores, const Job& record, absl::StatusOr<JobLayout> layout,
+                                        Restored* restored) {
+  std::unique_ptr<JobRun> run(new JobRun(stores, record, layout.ok() ? *layout : JobLayout()));
+  *restored = Restored::kEnded;
+  if (IsTerminal(record.state())) return run;
+  const std::string& id = record.job_id();
+  ArtifactStore& files = *stores.artifacts;
+  for (int r = 0; r < run->ranks_per_replica(); ++r) {
+    run->share_bytes_.push_back(std::max<int64_t>(0, ArtifactStore::FileSize(files.SharePath(id, r))));
+  }
+  const int stages = record.plan().stages_size();
+  bool stage_files = run->ranks() > 0;
+  for (int st = 0; stage_files && st < stages; ++st) stage_files = ArtifactStore::FileSize(files.StagePath(id, st)) > 0;
+  const int ckpt = record.checkpoint_step();
+  bool checkpoint = ckpt > 0;
+  for (int st = 0; checkpoint && st < stages; ++st) {
+    checkpoint = ArtifactStore::FileSize(files.CheckpointStagePath(id, ckpt, st)) > 0;
+  }
+  for (int r = 0; checkpoint && r < run->ranks(); ++r) {
+    checkpoint = ArtifactStore::FileSize(files.CheckpointStatePath(id, ckpt, r)) > 0;
+  }
+  // Pieces of checkpoints that were never committed go; the committed one stays.
+  files.RemoveCheckpoints(id, [ckpt](int step) { return step != ckpt; });
+  run->stage_files_ready_ = stage_files;
+  const std::string was = JobState_Name(record.state());
+  std::string failed;
+  if (!layout.ok()) {
+    failed = absl::StrCat("the coordinator restarted and the job's layout is not in its records (",
+                          layout.status().message(), ")");
+  } else if (record.state() == QUEUED) {
+    if (stage_files) {
+      *restored = Restored::kQueued;
+      run->AddEvent("the coordinator restarted; the job is queued again");
+    } else {
+      failed = "the coordinator restarted while the job was QUEUED and its stage files are missing";
+    }
+  } else if (record.state() == PARTITIONING) {
+    failed = "the coordinator restarted while the job's stages were being sent (they were only in memory)";
+  } else if (ckpt > 0 && !checkpoint) {
+    failed = absl::StrCat("the coordinator restarted while the job was ", was, " and its checkpoint after step ", ckpt,
+                          " is incomplete on disk");
+  } else if (!stage_files && ckpt == 0) {
+    failed = absl::StrCat("the coordinator restarted while the job was ", was, " before its stage files were written");
+  } else {
+    // Placed, running or recovering: resume from the checkpoint once workers are back.
+    Job& j = run->job_;
+    j.set_state(RECOVERING);
+    j.set_attempt(record.attempt() + 1);
+    j.set_step(ckpt);
+    j.mutable_losses()->Truncate(std::min(j.losses_size(), ckpt));
+    j.mutable_step_seconds()->Truncate(std::min(j.step_seconds_size(), ckpt));
+    j.clear_breakdown();
+    run->recover_deadline_ = absl::Now() + absl::Seconds(record.spec().fault_tolerance().recovery_timeout_s());
+    *restored = Restored::kRecovering;
+    run->AddEvent(absl::StrCat("the coordinator restarted while the job was ", was, "; resuming from step ", ckpt,
+                               " once ", run->ranks(), " workers are idle"));
+  }
+  if (!failed.empty()) {
+    run->job_.set_state(FAILED);
+    run->job_.set_reason(absl::StrCat(failed, "; submit it again"));
+    run->serving_.reset();
+    files.RemoveJobFiles(id);
+  }
+  run->Touch();
+  return run;
+}
+
+Job JobRun::View() const {
+  if (serving_ == nullptr) return job_;
+  Job j = job_;
+  *j.mutable_serving() = serving_->Stats();
+  return j;
+}
+
+bool JobRun::ended() const { return IsTerminal(job_.state()); }
+
+std::vector<int64_t> JobRun::RankMemory() const {
+  std::vector<int64_t> need;
+  for (int g = 0; g < ranks(); ++g) need.push_back(layout_.ranks(g % ranks_per_replica()).memory_bytes());
+  return need;
+}
+
+std::vector<int> JobRun::StagesOfRank(int rank) const {
+  return layout_.ranks_size() > 0 ? job::StagesOf(layout_.ranks(0), rank) : std::vector<int>();
+}
+
+void JobRun::AddEvent(const std::string& message) {
+  JobEvent* ev = job_.add_history();
+  ev->set_unix_ms(NowMs());
+  ev->set_message(message);
+  log::Info("job={} {}", id(), message);
+}
+
+void JobRun::Touch() {
+  job_.set_updated_unix_ms(NowMs());
+  ++version_;
+  absl::Status saved = stores_.records->Put(job_);
+  // The in-memory record stays authoritative; a lost write only costs the record's
+  // freshness after a restart, so it is logged, not fatal.
+  if (!saved.ok()) log::Warn("job={} record not saved: {}", id(), saved.message());
+}
+
+void JobRun::StageFilesWritten(const std::vector<int64_t>& sizes, bool queue) {
+  stage_files_ready_ = true;
+  if (queue) {
+    job_.clear_stage_file_bytes();
+    for (int64_t n : sizes) job_.add_stage_file_bytes(n);
+    job_.set_state(QUEUED);
+    Touch();
+  }
+}
+
+void JobRun::StagesStreamed(const std::vector<int64_t>& sizes) {
+  job_.clear_stage_file_bytes();
+  for (int64_t n : sizes) job_.add_stage_file_bytes(n);
+  Touch();
+}
+
+StageWriter JobRun::StagesFromFiles(size_t chunk_bytes) const {
+  ArtifactStore* files = stores_.artifacts;
+  const std::string job_id = id();
+  const int from = job_.checkpoint_step();
+  return [files, job_id, from, chunk_bytes](int stage, const std::function<absl::Status(absl::string_view)>& sink) {
+    const std::string path = from > 0 ? files->CheckpointStagePath(job_id, from, stage) : files->StagePath(job_id, stage);
+    return ArtifactStore::StreamFile(path, chunk_bytes, sink);
+  };
+}
+
+CoordinatorMessage JobRun::AssignmentFor(int global) const {
+  const int rank = global % ranks_per_replica(), replica = global / ranks_per_replica();
+  const RankLayout& piece = layout_.ranks(rank);
+  CoordinatorMessage m;
+  Assignment* as = m.mutable_assignment();
+  as->set_job_id(id());
+  *as->mutable_spec() = job_.spec();
+  as->set_rank(rank);
+  as->set_replica(replica);
+  *as->mutable_layout() = piece;
+  *as->mutable_plan() = job::PlanSlice(job_.plan(), piece, rank);
+  const int from = job_.checkpoint_step();
+  for (int s : job::StagesOf(piece, rank)) {
+    Assignment::StageFile* f = as->add_stages();
+    f->set_stage(s);
+    // Known when the stage comes from a file; else the worker learns it as it comes.
+    if (from > 0) {
+      f->set_bytes(std::max<int64_t>(0, ArtifactStore::FileSize(stores_.artifacts->CheckpointStagePath(id(), from, s))));
+    } else if (s < job_.stage_file_bytes_size()) {
+      f->set_bytes(job_.stage_file_bytes(s));
+    }
+  }
+  as->set_data_bytes(share_bytes_[static_cast<size_t>(rank)]);
+  as->set_attempt(job_.attempt());
+  if (from > 0) {
+    // A restart from a checkpoint: its stages and the rank's training state.
+    as->set_start_step(from);
+    as->set_state_bytes(std::max<int64_t>(0, ArtifactStore::FileSize(stores_.artifacts->CheckpointStatePath(id(), from, global))));
+  }
+  return m;
+}
+
+std::vector<RankSend> JobRun::Place(const std::vector<PlacedWorker>& workers) {
+  job_.set_state(PLACING);
+  job_.clear_workers();
+  channels_.clear();
+  std::vector<RankSend> sends;
+  const int from = job_.checkpoint_step();
+  for (size_t g = 0; g < workers.size(); ++g) {
+    const int global = static_cast<int>(g);
+    const int rank = global % ranks_per_replica();
+    job_.add_workers(workers[g].id);
+    channels_.push_back(workers[g].channel);
+    RankSend send;
+    send.channel = workers[g].channel;
+    send.assignment = AssignmentFor(global);
+    send.stages = StagesOfRank(rank);
+    send.share_file = stores_.artifacts->SharePath(id(), rank);
+    if (from > 0) send.state_file = stores_.artifacts->CheckpointStatePath(id(), from, global);
+    send.stop = stop_;
+    sends.push_back(std::move(send));
+  }
+  // The transport of each edge between ranks, from their workers' hosts and devices
+  // (replica 0's; the replicas are placed alike).
+  std::vector<job::RankPlace> places;
+  for (int r = 0; r < ranks_per_replica() && r < static_cast<int>(workers.size()); ++r) {
+    places.push_back({workers[static_cast<size_t>(r)].host, workers[static_cast<size_t>(r)].device});
+  }
+  job_.clear_edges();
+  if (static_cast<int>(places.size()) == ranks_per_replica()) {
+    for (StageEdge& e : job::WithTransports(layout_, places)) *job_.add_edges() = std::move(e);
+  }
+  std::vector<std::string> ids(job_.workers().begin(), job_.workers().end());
+  log::Info("job={} placing on {}{}", id(), absl::StrJoin(ids, ", "),
+            job_.attempt() > 0 ? absl::StrCat(" (attempt ", job_.attempt(), ", from step ", from, ")") : "");
+  Touch();
+  return sends;
+}
+
+bool JobRun::IsCurrent(int attempt) const {
+  return !ended() && attempt == job_.attempt() && state() != RECOVERING;
+}
+
+void JobRun::OnAddress(const RankAddress& a, Outbox* out) {
+  const int P = std::max(1, ranks_per_replica());
+  const int global = a.replica() * P + a.rank();
+  addresses_[global] = a.ucx_address();
+  gloo_addresses_[global] = a.gloo_address();
+  if (static_cast<int>(addresses_.size()) != ranks()) return;
+  // Each rank gets its replica's UCX addresses and its replica group's.
+  for (int g = 0; g < ranks() && g < static_cast<int>(channels_.size()); ++g) {
+    const int replica = g / P, rank = g % P;
+    CoordinatorMessage p;
+    p.mutable_peers()->set_job_id(id());
+    p.mutable_peers()->set_attempt(attempt());
+    for (int k = 0; k < P; ++k) p.mutable_peers()->add_ucx_addresses(addresses_[replica * P + k]);
+    if (ranks() > P) {
+      for (int k = 0; k * P < ranks(); ++k) p.mutable_peers()->add_gloo_addresses(gloo_addresses_[k * P + rank]);
+    }
+    out->emplace_back(channels_[static_cast<size_t>(g)], p);
+  }
+  job_.set_state(serving_ != nullptr ? SERVING : RUNNING);
+  if (serving_ != nullptr) StartServing();
+  log::Info("job={} {}: {} ranks connected{}", id(), serving_ != nullptr ? "serving" : "running", ranks(),
+            attempt() > 0 ? absl::StrCat(" (attempt ", attempt(), ", from step ", job_.checkpoint_step(), ")") : "");
+  Touch();
+}
+
+void JobRun::StartServing() {
+  std::vector<std::vector<int>> needs;
+  for (const RankLayout& piece : layout_.ranks()) needs.emplace_back(piece.model_inputs().begin(), piece.model_inputs().end());
+  const std::string job_id = id();
+  const int attempt = job_.attempt();
+  std::vector<std::shared_ptr<WorkerChannel>> channels = channels_;
+  serving_->Start(attempt, std::move(needs),
+                  [job_id, attempt, channels](int64_t step, const std::vector<std::string>& inputs, int64_t rows) {
+                    bool ok = true;
+                    for (size_t r = 0; r < channels.size(); ++r) {
+                      CoordinatorMessage m;
+                      ServeBatch* b = m.mutable_serve();
+                      b->set_job_id(job_id);
+                      b->set_attempt(attempt);
+                      b->set_step(step);
+                      b->set_rows(rows);
+                      if (r < inputs.size()) b->set_inputs(inputs[r]);
+                      ok = channels[r]->Send(m) && ok;
+                    }
+                    return ok;
+                  });
+}
+
+std::optional<CompletedStep> JobRun::OnStepReport(const StepReport& report) {
+  const int P = std::max(1, ranks_per_replica());
+  auto& reports = reports_[report.step()];
+  reports[report.replica() * P + report.rank()] = report;  // a repeated report replaces the earlier one
+  if (static_cast<int>(reports.size()) != ranks()) return std::nullopt;
+  CompletedStep done;
+  done.samples = job_.spec().batch_size();
+  double busy = 0, loss = 0;
+  int losses = 0;
+  job_.clear_breakdown();
+  for (const auto& [rank, r] : reports) {
+    busy += r.busy_seconds();
+    done.seconds = std::max(done.seconds, r.step_seconds());
+    if (r.has_loss()) {
+      loss += r.loss();  // each replica's mean over its slice; the step's is their mean
+      ++losses;
+    }
+    StepBreakdown* b = job_.add_breakdown();
+    *b = r.breakdown();
+    b->set_rank(rank);
+    b->set_replica(rank / P);
+    b->set_step_seconds(r.step_seconds());
+    for (const TraceEvent& ev : r.events()) {
+      if (ev.kind() == TRACE_SEND) done.bytes_sent += ev.bytes();
+      if (ev.kind() == TRACE_RECV) done.bytes_received += ev.bytes();
+    }
+  }
+  if (losses > 0) loss /= losses;
+  job_.set_step(report.step() + 1);
+  if (job_.spec().mode() == MODE_TRAIN) job_.add_losses(loss);
+  job_.add_step_seconds(done.seconds);
+  job_.set_samples_per_second(done.seconds > 0 ? job_.spec().batch_size() / done.seconds : 0);
+  job_.set_bubble_fraction(done.seconds > 0 ? std::max(0.0, 1.0 - busy / (ranks() * done.seconds)) : 0);
+  traces_.Add(report.step(), std::move(reports));
+  reports_.erase(report.step());
+  Touch();
+  return done;
+}
+
+JobRun::RankOutcome JobRun::OnRankFinished(const RankFinished& f, const std::string& worker_name) {
+  const int P = std::max(1, ranks_per_replica());
+  const auto code = static_cast<absl::StatusCode>(f.code());
+  const std::string what = absl::StrCat("rank ", f.rank(), ranks() > P ? absl::StrCat(" of replica ", f.replica()) : "",
+                                        " on worker ", worker_name, ": ", f.error());
+  // A peer gone or silent: the job restarts (the lost worker, if it is lost, is
+  // removed when its stream breaks or its heartbeats stop).
+  if (!f.ok() && (code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded)) {
+    return {RankOutcome::kRecover, what};
+  }
+  if (!f.ok()) return {RankOutcome::kFail, what};
+  finished_.insert(f.replica() * P + f.rank());
+  if (static_cast<int>(finished_.size()) < ranks() || assembling_) return {};
+  assembling_ = true;
+  return {RankOutcome::kAssemble, ""};
+}
+
+std::optional<int> JobRun::CheckpointRank(const CheckpointChunk& c) const {
+  if (c.attempt() != attempt() || state() != RUNNING || c.step() <= job_.checkpoint_step()) {
+    return std::nullopt;  // an earlier attempt's, or the job ended
+  }
+  // Stages come from replica 0 (the replicas hold the same parameters); every rank's
+  // training state (its own random generator) is kept.
+  const int P = ranks_per_replica();
+  const int global = c.replica() * P + c.rank();
+  if (c.rank() < 0 || c.rank() >= P || c.replica() < 0 || global >= ranks() || c.stage() < -1 ||
+      c.stage() >= job_.plan().stages_size() || c.step() <= 0 || (c.stage() >= 0 && c.replica() != 0)) {
+    log::Warn("job={} a checkpoint piece names rank {} stage {} step {}: ignored", id(), c.rank(), c.stage(), c.step());
+    return std::nullopt;
+  }
+  return global;
+}
+
+bool JobRun::OnCheckpointPiece(const CheckpointChunk& c, int global) {
+  if (!IsCurrent(c.attempt())) return false;
+  auto& pieces = checkpoint_pieces_[c.step()];
+  pieces.insert({c.stage() >= 0 ? 0 : global, c.stage()});
+  const int stages = job_.plan().stages_size();
+  if (static_cast<int>(pieces.size()) < stages + ranks() || c.step() <= job_.checkpoint_step()) return false;
+  // Every stage and every rank's state arrived whole: commit (files durable first,
+  // then the record names the step), and drop the earlier checkpoints.
+  const auto start = absl::Now();
+  absl::Status synced = stores_.artifacts->SyncCheckpoint(id(), c.step());
+  if (!synced.ok()) {
+    log::Warn("job={} checkpoint after step {} not committed: {}", id(), c.step(), synced.message());
+    return false;
+  }
+  job_.set_checkpoint_step(c.step());
+  checkpoint_time_ = absl::Now();
+  Touch();
+  const int kept = c.step();
+  stores_.artifacts->RemoveCheckpoints(id(), [kept](int step) { return step < kept; });
+  for (auto p = checkpoint_pieces_.begin(); p != checkpoint_pieces_.end();) {
+    p = p->first <= kept ? checkpoint_pieces_.erase(p) : std::next(p);
+  }
+  log::Info("job={} checkpoint after step {} committed ({} files, synced in {})", id(), kept, stages + ranks(),
+            absl::FormatDuration(absl::Now() - start));
+  return true;
+}
+
+void JobRun::Finish(JobState state, const std::string& reason) {
+  if (ended()) return;
+  job_.set_state(state);
+  job_.set_reason(reason);
+  stop_->store(true);
+  log::Info("job={} {}{}", id(), JobState_Name(state), reason.empty() ? "" : ": " + reason);
+  if (serving_ != nullptr) {
+    serving_->Stop(absl::UnavailableError(absl::StrCat("serving job ", id(), " ended (", JobState_Name(state),
+                                                      reason.empty() ? "" : ": " + reason, ")")));
+  }
+  stores_.artifacts->RemoveJobFiles(id());
+  Touch();
+}
+
+void JobRun::Succeed() {
+  job_.set_model_ready(true);
+  Finish(SUCCEEDED, "");
+}
+
+bool JobRun::CanRestart() const { return job_.restarts() < job_.spec().fault_tolerance().max_restarts(); }
+
+void JobRun::Recover(const std::string& what) {
+  const FaultToleranceSpec& ft = job_.spec().fault_tolerance();
+  const int from = job_.checkpoint_step();
+  if (serving_ != nullptr) {
+    // Requests in the pipeline are lost with it; queued ones wait for the restart.
+    serving_->Pause(absl::UnavailableError(absl::StrCat("serving job ", id(), " lost its pipeline (", what,
+                                                        "); it restarts on other workers: try again")));
+  }
+  job_.set_restarts(job_.restarts() + 1);
+  job_.set_attempt(job_.attempt() + 1);
+  // The stopped attempt's senders stop; the next attempt gets a flag of its own.
+  stop_->store(true);
+  stop_ = std::make_shared<std::atomic<bool>>(false);
+  job_.set_state(RECOVERING);
+  job_.set_step(from);
+  job_.mutable_losses()->Truncate(std::min(job_.losses_size(), from));
+  job_.mutable_step_seconds()->Truncate(std::min(job_.step_seconds_size(), from));
+  job_.clear_breakdown();
+  channels_.clear();
+  addresses_.clear();
+  gloo_addresses_.clear();
+  reports_.clear();
+  finished_.clear();
+  assembling_ = false;
+  checkpoint_pieces_.clear();
+  recover_deadline_ = absl::Now() + absl::Seconds(ft.recovery_timeout_s());
+  // Pieces of later checkpoints and results of this attempt are dropped (small file
+  // work under the lock: a later attempt writes the same names).
+  stores_.artifacts->RemoveCheckpoints(id(), [from](int step) { return step != from; });
+  stores_.artifacts->ResetResults(id());
+  AddEvent(absl::StrCat(what, "; restarting from step ", from, from > 0 ? " (the last checkpoint)" : " (no checkpoint yet)",
+                        ", restart ", job_.restarts(), " of ", ft.max_restarts()));
+  Touch();
+}
+
+absl::StatusOr<StepTrace> JobRun::Trace(int step, const std::function<std::string(int global_rank)>& worker_name) const {
+  StepTraces::Names names;
+  names.worker = worker_name;
+  names.stages = [this](int global) { return StagesOfRank(global % std::max(1, ranks_per_replica())); };
+  return traces_.Get(id(), step, ended() && job_.step() == 0, names);
+}
+
+}  // namespace pippy::coordinator

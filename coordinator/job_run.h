@@ -1,0 +1,185 @@
+// One job's lifecycle on the coordinator: its record (Job) and layout, placement onto
+// workers, the ranks' addresses, step reports, checkpoints, recovery from a lost
+// worker, and its end. The Coordinator (coordinator.h) keeps the registry of workers,
+// the queue and the dispatch, and hands each job's events to its JobRun.
+//
+//   PARTITIONING (stages in memory) -> PLACING -> RUNNING | SERVING -> SUCCEEDED
+//        `-> QUEUED (stages in files) -^        any state -> FAILED | CANCELLED
+//   a worker lost: PLACING | RUNNING | SERVING -> RECOVERING -> PLACING (attempt + 1),
+//   restarting from the last committed checkpoint.
+//
+// The layout (pipeline/job/layout.h) is made once, when the submission is prepared,
+// stored beside the record (JobStore::PutLayout) and read back by a restarted
+// coordinator; Place sends each rank its piece. Messages of an earlier attempt are
+// not this run's to handle: the Coordinator asks IsCurrent first.
+//
+// Thread safety: none of its own. The Coordinator owns every JobRun and calls it with
+// its mutex held, as leveldb's DBImpl calls its VersionSet. What outlives a call and
+// is used without that mutex is thread-safe itself: the stop flag the file senders
+// poll, and a serving job's ServingQueue.
+#ifndef PIPPY_COORDINATOR_JOB_RUN_H_
+#define PIPPY_COORDINATOR_JOB_RUN_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/device.h"
+#include "coordinator/artifact_store.h"
+#include "coordinator/coordinator_metrics.h"
+#include "coordinator/job_preparation.h"
+#include "coordinator/job_store.h"
+#include "coordinator/rank_sender.h"
+#include "coordinator/serving.h"
+#include "coordinator/step_trace.h"
+#include "coordinator/worker_channel.h"
+#include "proto/coordinator.pb.h"
+#include "proto/plan.pb.h"
+
+namespace pippy::coordinator {
+
+class JobRun {
+ public:
+  // Where a job's record and files live. Both outlive the JobRun.
+  struct Stores {
+    JobStore* records = nullptr;
+    ArtifactStore* artifacts = nullptr;
+  };
+
+  // An accepted submission: `job` holds its id, user, spec, plan and sizes; it is
+  // PARTITIONING, its stages (`stages`) in memory until they are sent or written out.
+  // Saves the record and the layout.
+  JobRun(Stores stores, Job job, JobLayout layout, std::vector<int64_t> share_bytes,
+         std::shared_ptr<const PreparedStages> stages);
+
+  // A record found at start-up, with its stored layout: a finished job as it is; a
+  // queued one queued again (if its stage files are whole); a placed, running or
+  // recovering one RECOVERING from its last complete checkpoint; else FAILED, saying
+  // why (stage files or checkpoint incomplete, stages only in memory, no layout).
+  enum class Restored { kEnded, kQueued, kRecovering };
+  static std::unique_ptr<JobRun> Restore(Stores stores, const Job& record, absl::StatusOr<JobLayout> layout,
+                                         Restored* restored);
+
+  // ---- the record ----
+  const std::string& id() const { return job_.job_id(); }
+  const Job& job() const { return job_; }
+  Job View() const;  // as the API shows it: with a serving job's counters
+  JobState state() const { return job_.state(); }
+  bool ended() const;
+  int attempt() const { return job_.attempt(); }
+  int64_t version() const { return version_; }
+  const JobLayout& layout() const { return layout_; }
+  int ranks_per_replica() const { return layout_.ranks_size(); }
+  int ranks() const { return ranks_per_replica() * layout_.replicas(); }  // every replica's
+  // Device memory each rank needs (by global rank), for placement.
+  std::vector<int64_t> RankMemory() const;
+  std::vector<int> StagesOfRank(int rank) const;  // rank within a replica
+  absl::Time checkpoint_time() const { return checkpoint_time_; }
+  // Appends to the job's history (and the log); saves the record.
+  void AddEvent(const std::string& message);
+
+  // ---- stages out ----
+  // The stages kept in memory since preparation (nullptr once taken).
+  std::shared_ptr<const PreparedStages> TakeStages() { return std::move(stages_); }
+  // Stage files written: their sizes. `queue`: the job waits for workers (QUEUED).
+  void StageFilesWritten(const std::vector<int64_t>& sizes, bool queue);
+  void StagesStreamed(const std::vector<int64_t>& sizes);
+  // Whether Place can read its stages: a checkpoint's, or the original files.
+  bool StagesOnDisk() const { return stage_files_ready_ || job_.checkpoint_step() > 0; }
+  // Reads the stages a placement sends: the last checkpoint's, or the original files.
+  StageWriter StagesFromFiles(size_t chunk_bytes) const;
+
+  // ---- placement ----
+  struct PlacedWorker {
+    std::string id;
+    std::string host;
+    Device device;
+    std::shared_ptr<WorkerChannel> channel;
+  };
+  // PLACING on `workers` (by global rank): what each rank must be sent.
+  std::vector<RankSend> Place(const std::vector<PlacedWorker>& workers);
+
+  // ---- the ranks' messages ----
+  // Whether a message of `attempt` is the current placement's (not of a stopped one,
+  // and the job neither ended nor waits to restart).
+  bool IsCurrent(int attempt) const;
+  // A rank is connected. Once every rank is, each gets its peers' addresses (into
+  // `out`) and the job is RUNNING (SERVING: requests start to flow).
+  void OnAddress(const RankAddress& address, Outbox* out);
+  // A rank's report of a step; once every rank's is in, the step is complete.
+  std::optional<CompletedStep> OnStepReport(const StepReport& report);
+  // What a rank's end asks of the coordinator.
+  struct RankOutcome {
+    enum Kind { kNothing, kRecover, kFail, kAssemble } kind = kNothing;
+    std::string reason;  // kRecover, kFail: which rank, on which worker, and why
+  };
+  RankOutcome OnRankFinished(const RankFinished& finished, const std::string& worker_name);
+  // A checkpoint chunk: its global rank if it belongs to the running attempt's next
+  // checkpoint and names a stage and rank of the job; nullopt to drop it.
+  std::optional<int> CheckpointRank(const CheckpointChunk& chunk) const;
+  // A piece of the checkpoint (`chunk`'s stage or rank state) is written whole: once
+  // every stage and every rank's state is, the checkpoint is committed (synced, then
+  // named by the record) and earlier ones go. Returns whether it committed.
+  bool OnCheckpointPiece(const CheckpointChunk& chunk, int global_rank);
+
+  // ---- ending and recovery ----
+  // Ends the job (a no-op once ended): its senders stop, a serving job's requests
+  // fail, its files go, the record is saved. The Coordinator frees the workers.
+  void Finish(JobState state, const std::string& reason);
+  // The coordinator stops: the attempt's file senders stop (the record stays as it is,
+  // for a restart to resume).
+  void StopSenders() { stop_->store(true); }
+  // The result is in place (FetchModel can serve it): SUCCEEDED.
+  void Succeed();
+  bool CanRestart() const;
+  // A worker of the current attempt is lost (`what`): RECOVERING, attempt + 1, from
+  // the last checkpoint, until `recovery_timeout_s`. REQUIRES: CanRestart().
+  void Recover(const std::string& what);
+  bool RecoveryExpired(absl::Time now) const { return state() == RECOVERING && now >= recover_deadline_; }
+
+  // ---- serving and traces ----
+  std::shared_ptr<ServingQueue> serving() const { return serving_; }
+  absl::StatusOr<StepTrace> Trace(int step, const std::function<std::string(int global_rank)>& worker_name) const;
+
+ private:
+  JobRun(Stores stores, Job job, JobLayout layout);
+  // Saves the record; bumps the version WaitForChange watches.
+  void Touch();
+  void StartServing();
+  CoordinatorMessage AssignmentFor(int global) const;
+
+  const Stores stores_;
+  Job job_;
+  JobLayout layout_;
+  int64_t version_ = 0;
+  std::vector<int64_t> share_bytes_;                   // by rank (every replica reads the same)
+  std::shared_ptr<const PreparedStages> stages_;       // PARTITIONING: the split stages
+  bool stage_files_ready_ = false;                     // jobs/<id>/stage_<s>.pt are whole
+  // Set when the attempt ends: its file senders stop. Each attempt has its own.
+  std::shared_ptr<std::atomic<bool>> stop_ = std::make_shared<std::atomic<bool>>(false);
+  std::shared_ptr<ServingQueue> serving_;              // a serving job's requests, for its whole life
+  // The current attempt.
+  std::vector<std::shared_ptr<WorkerChannel>> channels_;  // by global rank
+  std::map<int, std::string> addresses_;               // global rank -> UCX address
+  std::map<int, std::string> gloo_addresses_;          // global rank -> replica-group address
+  std::map<int, std::map<int, StepReport>> reports_;   // step -> global rank -> report, until complete
+  std::set<int> finished_;                             // global ranks that finished ok
+  bool assembling_ = false;
+  std::map<int, std::set<std::pair<int, int>>> checkpoint_pieces_;  // step -> (rank, stage); stage -1: state
+  absl::Time checkpoint_time_ = absl::InfinitePast();  // when the last one was committed
+  absl::Time recover_deadline_;
+  StepTraces traces_;
+};
+
+}  // namespace pippy::coordinator
+
+#endif  // PIPPY_COORDINATOR_JOB_RUN_H_
