@@ -34,10 +34,8 @@
 #include "pipeline/job/rank_job.h"
 #include "pipeline/torchio/model_io.h"
 #include "pipeline/stage/data_source.h"
-#include "pipeline/transport/staging/device_copier.h"
-#include "pipeline/transport/staging/staging_transport.h"
-#include "pipeline/transport/ucx/ucx_transport.h"
 #include "worker/process_device.h"
+#include "worker/rank_bringup.h"
 #include "torch/csrc/jit/runtime/graph_executor.h"
 
 namespace pippy {
@@ -137,27 +135,23 @@ absl::Status Run(const Flags& f) {
   if (f.rank < 0 || f.rank >= f.world) return absl::InvalidArgumentError("--rank must be in [0, --world)");
   const RankLayout& piece = layout.ranks(f.rank);
   job::SeedProcessForRank(spec, f.rank);
-  std::map<int, torch::jit::Module> mine;
-  for (int s : job::StagesOf(piece, f.rank)) {
-    PIPPY_ASSIGN_OR_RETURN(mine[s], torchio::LoadModel(absl::StrCat(f.stages_dir, "/stage_", s, ".pt")));
-  }
+  PIPPY_ASSIGN_OR_RETURN(worker::LoadedStages mine, worker::LoadStageFiles(f.stages_dir, job::StagesOf(piece, f.rank)));
   std::vector<std::string> names;
   for (const ModelValue& v : plan.inputs()) names.push_back(v.name());
   PIPPY_ASSIGN_OR_RETURN(std::string data_bytes, torchio::ReadFile(f.data));
   PIPPY_ASSIGN_OR_RETURN(stage::DataSource data, stage::DataSource::FromBytes(data_bytes, names));
 
-  transport::ucx::Options uo;
-  uo.ucx_config = {{"TLS", f.tls}};
-  if (f.tls.find("tcp") != std::string::npos) uo.ucx_config.push_back({"NET_DEVICES", "lo"});
-  uo.receive_buffer = transport::staging::ReceiveBuffersFor(device);
-  PIPPY_ASSIGN_OR_RETURN(auto ucx, transport::ucx::UcxTransport::Create(f.rank, f.world, uo));
-  PIPPY_ASSIGN_OR_RETURN(auto addresses,
-                         Rendezvous(f.rendezvous, f.rank, f.world, ucx->address(), absl::Seconds(f.timeout_s)));
-  PIPPY_RETURN_IF_ERROR(ucx->Connect(addresses));
-  // A GPU rank's tensors cross through host memory (ucx+staging).
-  PIPPY_ASSIGN_OR_RETURN(auto staged, transport::staging::StagingTransport::ForDevice(ucx.get(), device));
-  PIPPY_ASSIGN_OR_RETURN(auto rank_job, job::RankJob::Create(spec, plan, piece, f.rank, std::move(mine), staged.get(),
-                                                             absl::Seconds(f.timeout_s), nullptr, device));
+  // The rank's transports, brought up as pippy-worker brings them up; the peers come
+  // from the rendezvous folder instead of the coordinator.
+  std::vector<std::pair<std::string, std::string>> ucx_config = {{"TLS", f.tls}};
+  if (f.tls.find("tcp") != std::string::npos) ucx_config.push_back({"NET_DEVICES", "lo"});
+  PIPPY_ASSIGN_OR_RETURN(auto transports, worker::RankTransports::Create(f.rank, f.world, device, ucx_config));
+  PIPPY_ASSIGN_OR_RETURN(auto addresses, Rendezvous(f.rendezvous, f.rank, f.world, transports->address(),
+                                                    absl::Seconds(f.timeout_s)));
+  PIPPY_RETURN_IF_ERROR(transports->Connect(addresses));
+  PIPPY_ASSIGN_OR_RETURN(auto rank_job, job::RankJob::Create(spec, plan, piece, f.rank, std::move(mine.modules),
+                                                             transports->transport(), absl::Seconds(f.timeout_s),
+                                                             nullptr, device));
   KeepFreedMemory();  // the stages are loaded: from here on, buffers are reused step after step
   for (int step = 0; step < f.steps; ++step) {
     absl::StatusOr<stage::StepResult> res = rank_job->RunStep(step, data);

@@ -1,5 +1,9 @@
 #include "worker/report_builder.h"
 
+#include <chrono>
+
+#include "absl/time/clock.h"
+
 namespace pippy::worker {
 
 TraceKind TraceKindOf(const stage::TraceEvent& event) {
@@ -19,8 +23,17 @@ TransferBytes TransferBytesOf(const stage::StepResult& result) {
   return out;
 }
 
-StepReport BuildStepReport(const Assignment& a, int step, const stage::StepResult& res, int64_t steady_now_us,
-                           int64_t unix_now_us) {
+ProcessReadings ReadProcess() {
+  ProcessReadings r;
+  r.steady_now_us =
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
+          .count();
+  r.unix_now_us = absl::ToUnixMicros(absl::Now());
+  return r;
+}
+
+StepReport BuildStepReport(const Assignment& a, int step, const stage::StepResult& res,
+                           const ProcessReadings& readings) {
   StepReport r;
   r.set_job_id(a.job_id());
   r.set_rank(a.rank());
@@ -52,8 +65,8 @@ StepReport BuildStepReport(const Assignment& a, int step, const stage::StepResul
     e->set_wait_us(t.wait_us);
     e->set_kind(TraceKindOf(t));
   }
-  r.set_steady_anchor_us(steady_now_us);
-  r.set_unix_anchor_us(unix_now_us);
+  r.set_steady_anchor_us(readings.steady_now_us);
+  r.set_unix_anchor_us(readings.unix_now_us);
   return r;
 }
 

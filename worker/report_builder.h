@@ -1,7 +1,8 @@
 // What a rank tells the coordinator after each step: the StepReport built from the
-// runtime's StepResult (loss, times, the breakdown, the timed actions with their kinds).
-// Pure functions, no stream: the worker sends what they build, and tests check it
-// without a coordinator.
+// runtime's StepResult (loss, times, the breakdown, the timed actions with their kinds)
+// and from what the process reads of itself right after the step (ProcessReadings).
+// No stream: the worker sends what they build, and tests check it without a
+// coordinator. A new per-step figure is read in ReadProcess and reported here.
 #ifndef PIPPY_WORKER_REPORT_BUILDER_H_
 #define PIPPY_WORKER_REPORT_BUILDER_H_
 
@@ -23,11 +24,19 @@ struct TransferBytes {
 };
 TransferBytes TransferBytesOf(const stage::StepResult& result);
 
-// The report of step `step` of the rank `assignment` runs. `steady_now_us` and
-// `unix_now_us` are one reading of the steady and the wall clock, taken together (the
-// trace's steady times become wall times with them).
+// What the process reads of itself after a step.
+struct ProcessReadings {
+  // One reading of the steady and the wall clock, taken together: the trace's steady
+  // times become wall times with them.
+  int64_t steady_now_us = 0;
+  int64_t unix_now_us = 0;
+};
+// Reads them now.
+ProcessReadings ReadProcess();
+
+// The report of step `step` of the rank `assignment` runs.
 StepReport BuildStepReport(const Assignment& assignment, int step, const stage::StepResult& result,
-                           int64_t steady_now_us, int64_t unix_now_us);
+                           const ProcessReadings& readings);
 
 }  // namespace pippy::worker
 

@@ -1,30 +1,41 @@
-// The worker daemon's agent: dials out to the coordinator (one long-lived Connect
-// stream, so workers need no inbound gRPC port), registers, sends heartbeats, and
-// runs the ranks it is assigned with the stage runtime over UCX, reporting each step
-// and finally streaming its trained stages back.
+// The worker daemon's agent: the rooms of a worker wired together. Its Session
+// (session.h) dials the coordinator, registers and reads the stream; an assignment's
+// files are collected by an AssignmentReceiver; once they are all in, a rank thread
+// brings the rank up (rank_bringup.h: stages loaded from the received bytes, the UCX
+// and staging transports, the peers' addresses from the coordinator), sets it up with
+// job::RankJob on its piece of the job's layout, and runs it: the training loop
+// (training_loop.h) or the serving loop (serving_loop.h), then reports the rank
+// finished. A cancel, or the coordinator lost, reaches the rank through RankControl.
 //
 // A worker receives only its own stages' TorchScript files and its share of the data
-// (never the whole model), loads the stages straight from the received bytes, frees
-// the bytes, and sets the rank up with job::RankJob.
+// (never the whole model), loads the stages straight from the received bytes and frees
+// the bytes.
 //
-// Threads: Run()'s thread reads the stream and collects an assignment's files; a
-// heartbeat thread writes heartbeats; one job thread loads and runs the assigned rank
-// and sends its step reports, checkpoints and results.
-// Writes to the stream are serialised by a mutex.
+// Threads: the session's reader thread handles messages and collects files; the
+// session's heartbeat thread; one rank thread at a time runs the assigned rank and
+// writes its reports, checkpoints and results.
 #ifndef PIPPY_WORKER_WORKER_AGENT_H_
 #define PIPPY_WORKER_WORKER_AGENT_H_
 
+#include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "c10/core/Device.h"
+#include "common/device.h"
+#include "worker/assignment_receiver.h"
+#include "worker/rank_control.h"
+#include "worker/session.h"
+#include "worker/worker_metrics.h"
 
 namespace pippy::worker {
 
 struct AgentOptions {
   std::string coordinator = "localhost:7070";
   std::string name;
-  std::string device = "cpu";
+  std::string device = "cpu";  // --device: cpu | cuda[:N] | auto
   int threads = 1;
   std::string ucx_tls;  // empty: UCX chooses
   // Data parallelism: the address other replicas reach this worker's gloo endpoints at
@@ -53,6 +64,43 @@ struct AgentOptions {
 // connect_timeout) or again (within reconnect_timeout);
 // INVALID_ARGUMENT for options this build cannot serve (a device it lacks).
 absl::Status RunAgent(const AgentOptions& options);
+
+class Agent : public Session::Handler {
+ public:
+  // `device`: resolved and checked (ProcessDevice).
+  Agent(const AgentOptions& options, Device device);
+  ~Agent() override;
+
+  // Serves the coordinator until it is lost for good (Session::Run).
+  absl::Status Run();
+
+  // Session::Handler, on the reader thread.
+  void OnMessage(const CoordinatorMessage& message) override;
+  void OnDisconnected() override;
+
+ private:
+  RegisterWorker Registration() const;
+  void OnAssignment(const Assignment& assignment);
+  template <typename Chunk>
+  void OnChunk(const Chunk& chunk);
+  void OnCancel(const CancelAssignment& cancel);
+  // Reports the rank finished, with `status`.
+  void Finished(const Assignment& a, const absl::Status& status);
+  // The rank thread: runs the received assignment, then reports it finished.
+  void RunAssignment(ReceivedAssignment in);
+  absl::Status RunRank(ReceivedAssignment in);
+  std::string ReplicaHost() const;
+
+  const AgentOptions options_;
+  const Device device_;             // resolved and checked (ProcessDevice)
+  const c10::Device torch_device_;  // the same, as LibTorch names it
+  WorkerMetrics metrics_;
+  RankControl control_;
+  std::unique_ptr<Session> session_;
+  // Reader thread only.
+  AssignmentReceiver receiver_;
+  std::thread rank_thread_;
+};
 
 }  // namespace pippy::worker
 

@@ -1,0 +1,38 @@
+#include "worker/training_loop.h"
+
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "pipeline/job/job_spec.h"
+#include "worker/report_builder.h"
+
+namespace pippy::worker {
+
+absl::Status RunTrainingSteps(const Assignment& a, job::RankJob& rank_job, const stage::DataSource& data,
+                              const Writer& write, WorkerMetrics& metrics) {
+  const JobSpec& spec = a.spec();
+  const bool inference = rank_job.schedule().forward_only;
+  std::vector<c10::IValue> outputs;  // inference: the last stage's merged outputs per step
+  for (int step = a.start_step(); step < spec.steps(); ++step) {
+    PIPPY_ASSIGN_OR_RETURN(stage::StepResult res, rank_job.RunStep(step, data));
+    if (inference && !res.output.isNone()) outputs.push_back(res.output);
+    WorkerMessage report;
+    *report.mutable_step() = BuildStepReport(a, step, res, ReadProcess());
+    write(report);
+    log::Info("job={} rank={} step={}{}", a.job_id(), a.rank(), step,
+              res.has_loss ? absl::StrCat(" loss=", res.loss) : "");
+    metrics.OnStep(res, /*serving=*/false);
+    if (job::CheckpointAfter(spec, step + 1)) {
+      PIPPY_RETURN_IF_ERROR(SendCheckpoint(write, a, step + 1, rank_job));
+      metrics.OnCheckpoint();
+    }
+  }
+  if (inference) return outputs.empty() ? absl::OkStatus() : SendOutputs(write, a, outputs);
+  if (a.replica() != 0) return absl::OkStatus();  // the replicas hold the same parameters
+  for (const auto& [s, module] : rank_job.stages()) PIPPY_RETURN_IF_ERROR(SendStage(write, a, s, module));
+  return absl::OkStatus();
+}
+
+}  // namespace pippy::worker
