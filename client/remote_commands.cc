@@ -158,15 +158,23 @@ void PrintJob(const Job& j) {
     }
   }
   for (const StepBreakdown& b : j.breakdown()) {
+    std::string memory;
+    if (b.peak_memory_bytes() > 0) {
+      memory = absl::StrCat("; peak memory ", HumanBytes(static_cast<double>(b.peak_memory_bytes())));
+      if (b.rank() < j.peak_memory_bytes_size()) {
+        absl::StrAppend(&memory, " (job's most ", HumanBytes(static_cast<double>(j.peak_memory_bytes(b.rank()))), ")");
+      }
+    }
     std::cout << absl::StrFormat(
         "  rank %d%s, last step %.3f s: compute %.3f, waiting for peers %.3f, transport %.3f, optimizer %.3f, "
-        "other %.3f%s\n",
+        "other %.3f%s%s\n",
         b.rank(), replicas > 1 ? absl::StrCat(" (replica ", b.replica(), ")") : "", b.step_seconds(),
         b.compute_seconds(), b.wait_seconds(), b.transport_seconds(), b.optimizer_seconds(), b.other_seconds(),
         b.allreduce_seconds() > 0
             ? absl::StrFormat("; replica all-reduce %.3f, %.0f%% overlapped", b.allreduce_seconds(),
                               100 * std::clamp(1 - b.allreduce_wait_seconds() / b.allreduce_seconds(), 0.0, 1.0))
-            : "");
+            : "",
+        memory);
   }
   if (j.losses_size() > 0) {
     std::cout << "  losses:";
@@ -757,6 +765,14 @@ std::string ChromeTrace(const StepTrace& t) {
       events.push_back(absl::StrFormat(
           R"({"name": "thread_name", "ph": "M", "pid": %d, "tid": %d, "args": {"name": "stage %d"}})", r.rank(),
           s + 1, s));
+    }
+    int64_t end = 0;
+    for (const TraceEvent& e : r.events()) end = std::max(end, wall(r, e) + e.duration_us() - origin);
+    if (r.breakdown().peak_memory_bytes() > 0) {
+      // The step's memory peak as a counter track of the rank (at the step's end).
+      events.push_back(absl::StrFormat(
+          R"({"name": "peak memory", "ph": "C", "ts": %d, "pid": %d, "args": {"MiB": %.1f}})", end, r.rank(),
+          static_cast<double>(r.breakdown().peak_memory_bytes()) / (1 << 20)));
     }
     for (const TraceEvent& e : r.events()) {
       const char* cat = e.kind() == TRACE_SEND || e.kind() == TRACE_RECV ? "transport"

@@ -2,6 +2,10 @@
 
 #include <malloc.h>
 
+#include <fstream>
+#include <sstream>
+#include <string>
+
 namespace pippy {
 
 void KeepFreedMemory() {
@@ -10,5 +14,18 @@ void KeepFreedMemory() {
 }
 
 void ReturnFreedMemory() { malloc_trim(0); }
+
+int64_t TakePeakResidentBytes() {
+  int64_t kib = 0;
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmHWM:", 0) != 0) continue;
+    std::istringstream(line.substr(6)) >> kib;
+    break;
+  }
+  // "5" resets the peak resident set size to the current one (Linux 4.0 and later).
+  std::ofstream("/proc/self/clear_refs") << "5";
+  return kib * 1024;
+}
 
 }  // namespace pippy

@@ -1,6 +1,9 @@
-// Process-wide memory settings for the processes that run pipeline ranks.
+// Process-wide memory settings for the processes that run pipeline ranks, and what
+// they read of their own memory.
 #ifndef PIPPY_COMMON_MEMORY_H_
 #define PIPPY_COMMON_MEMORY_H_
+
+#include <cstdint>
 
 namespace pippy {
 
@@ -17,6 +20,11 @@ void KeepFreedMemory();
 // Gives the heap's free memory back to the kernel (malloc_trim): call when a job ends,
 // so that an idle worker does not hold its last job's peak.
 void ReturnFreedMemory();
+
+// The most resident memory (bytes) this process has held since it started or since the
+// last call, and the peak starts again from what is resident now (Linux: VmHWM, reset
+// through /proc/self/clear_refs). 0 where the kernel does not tell.
+int64_t TakePeakResidentBytes();
 
 }  // namespace pippy
 

@@ -1,6 +1,9 @@
 #include "coordinator/coordinator_metrics.h"
 
 #include <map>
+#include <string>
+
+#include "proto/job_state.h"
 
 namespace pippy::coordinator {
 
@@ -37,6 +40,18 @@ void JobsAndWorkers(const MetricsSnapshot& s, metrics::Exposition& x) {
   for (const MetricsSnapshot::Worker& w : s.workers) ++workers[WorkerState_Name(w.state)];
   x.Family("pippy_workers", "gauge", "Registered workers, by state");
   for (const auto& [state, n] : workers) x.Sample("pippy_workers", {{"state", state}}, n);
+}
+
+void PeakMemory(const MetricsSnapshot& s, metrics::Exposition& x) {
+  x.Family("pippy_rank_peak_memory_bytes", "gauge",
+           "The most resident memory a rank's worker process held during any step of an unfinished job");
+  for (const Job& j : s.jobs) {
+    if (IsTerminal(j.state())) continue;
+    for (int rank = 0; rank < j.peak_memory_bytes_size(); ++rank) {
+      x.Sample("pippy_rank_peak_memory_bytes", {{"job", j.job_id()}, {"rank", std::to_string(rank)}},
+               static_cast<double>(j.peak_memory_bytes(rank)));
+    }
+  }
 }
 
 void Ages(const MetricsSnapshot& s, metrics::Exposition& x) {
@@ -98,6 +113,7 @@ std::string CoordinatorMetrics::Text(const MetricsSnapshot& snapshot) const {
     x.Sample("pippy_restarts_total", {}, static_cast<double>(restarts_));
   }
   Ages(snapshot, x);
+  PeakMemory(snapshot, x);
   Serving(snapshot, x);
   return x.text();
 }

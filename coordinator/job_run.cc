@@ -322,6 +322,8 @@ std::optional<CompletedStep> JobRun::OnStepReport(const StepReport& report) {
     b->set_rank(rank);
     b->set_replica(rank / P);
     b->set_step_seconds(r.step_seconds());
+    while (job_.peak_memory_bytes_size() <= rank) job_.add_peak_memory_bytes(0);
+    job_.set_peak_memory_bytes(rank, std::max(job_.peak_memory_bytes(rank), r.breakdown().peak_memory_bytes()));
     for (const TraceEvent& ev : r.events()) {
       if (ev.kind() == TRACE_SEND) done.bytes_sent += ev.bytes();
       if (ev.kind() == TRACE_RECV) done.bytes_received += ev.bytes();

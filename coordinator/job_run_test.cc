@@ -82,8 +82,9 @@ class JobRunTest : public ::testing::Test {
     return {{"worker-1", "a", Device(), channels_[0]}, {"worker-2", "b", Device(), channels_[1]}};
   }
 
-  StepReport Report(int rank, int step, double seconds, int64_t sent_bytes) {
+  StepReport Report(int rank, int step, double seconds, int64_t sent_bytes, int64_t peak_memory = 0) {
     StepReport r;
+    r.mutable_breakdown()->set_peak_memory_bytes(peak_memory);
     r.set_job_id("job-1");
     r.set_rank(rank);
     r.set_step(step);
@@ -147,6 +148,18 @@ TEST_F(JobRunTest, Place_SendsEachRankItsPiece_AddressesMakeItRunning_StepsAreAg
   EXPECT_THAT(run->job().losses(), ElementsAre(3.0));
   EXPECT_EQ(run->job().breakdown_size(), 2);
   EXPECT_NEAR(run->job().bubble_fraction(), 1.0 - (0.25 + 0.375) / (2 * 0.75), 1e-12);
+  // Each rank's memory peak: the step's in the breakdown, the most of any step on the job.
+  run->OnStepReport(Report(0, 1, 0.5, 4096, 300 << 20));
+  run->OnStepReport(Report(1, 1, 0.5, 4096, 100 << 20));
+  run->OnStepReport(Report(0, 2, 0.5, 4096, 200 << 20));
+  run->OnStepReport(Report(1, 2, 0.5, 4096, 150 << 20));
+  EXPECT_EQ(run->job().breakdown(0).peak_memory_bytes(), 200 << 20);
+  EXPECT_THAT(run->job().peak_memory_bytes(), ElementsAre(300 << 20, 150 << 20));
+  MetricsSnapshot snapshot;
+  snapshot.jobs.push_back(run->View());
+  const std::string text = CoordinatorMetrics().Text(snapshot);
+  EXPECT_THAT(text, HasSubstr("# TYPE pippy_rank_peak_memory_bytes gauge"));
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("pippy_rank_peak_memory_bytes{job=\"job-1\",rank=\"0\"} ", 300 << 20)));
   auto trace = run->Trace(-1, [](int rank) { return absl::StrCat("w", rank); });
   ASSERT_TRUE(trace.ok()) << trace.status();
   EXPECT_EQ(trace->ranks(1).worker(), "w1");

@@ -3,6 +3,7 @@
 #include <chrono>
 
 #include "absl/time/clock.h"
+#include "common/memory.h"
 
 namespace pippy::worker {
 
@@ -29,6 +30,7 @@ ProcessReadings ReadProcess() {
       std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
           .count();
   r.unix_now_us = absl::ToUnixMicros(absl::Now());
+  r.peak_memory_bytes = TakePeakResidentBytes();
   return r;
 }
 
@@ -55,6 +57,7 @@ StepReport BuildStepReport(const Assignment& a, int step, const stage::StepResul
   bd->set_other_seconds(res.breakdown.other_seconds);
   bd->set_allreduce_seconds(res.breakdown.allreduce_seconds);
   bd->set_allreduce_wait_seconds(res.breakdown.allreduce_wait_seconds);
+  bd->set_peak_memory_bytes(readings.peak_memory_bytes);
   for (const stage::TraceEvent& t : res.trace) {
     TraceEvent* e = r.add_events();
     e->set_name(t.name);

@@ -30,8 +30,10 @@ struct ProcessReadings {
   // times become wall times with them.
   int64_t steady_now_us = 0;
   int64_t unix_now_us = 0;
+  // The most resident memory of the process since the last reading (the step's peak).
+  int64_t peak_memory_bytes = 0;
 };
-// Reads them now.
+// Reads them now (the memory peak starts again from here: one reading per step).
 ProcessReadings ReadProcess();
 
 // The report of step `step` of the rank `assignment` runs.

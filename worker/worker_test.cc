@@ -112,7 +112,9 @@ TEST(ReportBuilder, EveryEventKeepsItsKind_TransferBytesByKind) {
   ProcessReadings readings;
   readings.steady_now_us = 1000;
   readings.unix_now_us = 5000;
+  readings.peak_memory_bytes = 123 << 20;
   const StepReport r = BuildStepReport(a, 4, res, readings);
+  EXPECT_EQ(r.breakdown().peak_memory_bytes(), 123 << 20);
   EXPECT_EQ(r.job_id(), "job-7");
   EXPECT_EQ(r.step(), 4);
   EXPECT_EQ(r.attempt(), 3);

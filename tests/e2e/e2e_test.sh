@@ -128,10 +128,16 @@ for rank, wid in enumerate(job["workers"]):
     assert want_files <= got <= 1.1 * (want_files + data_bytes), (got, want_files, data_bytes)
     assert loaded == sum(params[s] for s in stages), (loaded, params)
     assert loaded < 0.6 * sum(params)
+    # The rank's memory peak in its last step: the worker process holds at least the
+    # parameters it loaded; the job's most is at least the last step's.
+    peak = int(job["breakdown"][rank].get("peak_memory_bytes", 0))
+    most = int(job["peak_memory_bytes"][rank])
+    print(f"rank {rank}: peak memory {peak >> 20} MiB in the last step, {most >> 20} MiB at most")
+    assert loaded < peak <= most < 8 << 30, (loaded, peak, most)
     total += got
 assert total < 1.3 * (model_bytes + data_bytes), (total, model_bytes)
 PY
-then ok "3-stage job: each worker received only its stage and data share"; else bad "3-stage job: bytes per worker"; cat "$TMP/three.err"; fi
+then ok "3-stage job: each worker received only its stage and data share, and reports its memory peak"; else bad "3-stage job: bytes per worker"; cat "$TMP/three.err"; fi
 
 # Prometheus metrics of the coordinator and of worker w0, scraped over HTTP and read with
 # Prometheus' own parser: the families exist with their types, and the numbers agree
@@ -160,6 +166,7 @@ assert count == inf == value(c, "pippy_steps"), (count, inf)
 assert value(c, "pippy_transport_bytes", direction="sent") > 0
 assert value(c, "pippy_transport_bytes", direction="sent") == value(c, "pippy_transport_bytes", direction="received")
 assert len(c["pippy_worker_heartbeat_age_seconds"].samples) == 4
+assert c["pippy_rank_peak_memory_bytes"].type == "gauge"  # samples only while a job runs
 w = scrape(sys.argv[2])
 assert value(w, "pippy_worker_registered") == 1
 assert value(w, "pippy_worker_steps") >= 5, w["pippy_worker_steps"]
@@ -173,6 +180,7 @@ then ok "/metrics of the coordinator and a worker parse with prometheus_client a
 # chrome://tracing read) with every rank's actions, and the breakdown in `status`.
 if ctl trace "$job" -o "$TMP/trace.json" > "$TMP/trace.out" &&
    ctl status "$job" > "$TMP/three.status" && grep -q "waiting for peers" "$TMP/three.status" &&
+   grep -q "peak memory .*(job's most" "$TMP/three.status" &&
    /usr/bin/python3 - "$TMP/trace.json" <<'PY'
 import json, sys
 t = json.load(open(sys.argv[1]))
@@ -191,9 +199,11 @@ for r in range(3):  # 1F1B, stage r on rank r, 8 micro-batches: every F and B
         assert (r, f"{r}F{mb}") in names and (r, f"{r}B{mb}") in names, (r, mb)
     assert (r, "optimizer step") in names
 assert any(e["name"].startswith("0SEND_F") and e["args"]["bytes"] > 0 for e in slices)
+counters = [e for e in events if e["ph"] == "C" and e["name"] == "peak memory"]
+assert {e["pid"] for e in counters} == {0, 1, 2} and all(e["args"]["MiB"] > 0 for e in counters), counters
 print(f"trace: {len(slices)} slices over 3 ranks, {len(meta)} track names")
 PY
-then ok "pippyctl trace writes a Chrome trace of every rank; status shows the breakdown"; else bad "trace"; cat "$TMP/trace.out"; fi
+then ok "pippyctl trace writes a Chrome trace of every rank with its memory peak; status shows the breakdown"; else bad "trace"; cat "$TMP/trace.out"; fi
 
 # AdamW without --weight-decay uses torch's default (0.01), as torch.optim.AdamW does.
 if ctl submit "$ZOO/gpt.pt" --data "$TMP/gpt.data.pt" --microbatches 4 --batch-size 8 --steps 3 --loss model \
