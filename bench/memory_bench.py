@@ -28,6 +28,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "client", "python"))
+from pippy import TERMINAL  # noqa: E402  the job states after which nothing changes (proto/coordinator.proto)
+
 MB = 1 << 20
 
 
@@ -132,7 +135,7 @@ torch.jit.script(torch.nn.Sequential(*layers)).save("{model}")
             j = json.loads(r.stdout)
             state = j["state"]
             seen.setdefault(state, time.perf_counter() - t_submitted)
-            if state in ("SUCCEEDED", "FAILED", "CANCELLED"):
+            if state in TERMINAL:
                 break
             time.sleep(0.1)
         if state != "SUCCEEDED":

@@ -1,6 +1,6 @@
 // "ucx+staging": transfers for a rank whose tensors live on a device (a GPU) over a
 // transport that moves host memory (UCX), for the edges NCCL cannot serve — two
-// workers sharing one GPU, or a GPU rank and a CPU rank (job::EdgeTransportsFor).
+// workers sharing one GPU, or a GPU rank and a CPU rank (job::TransportFor).
 //
 // A send copies the value's device tensors to host memory, then posts the host copy on
 // the inner transport; a receive's value comes back with its tensors copied onto the
