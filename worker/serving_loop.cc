@@ -58,7 +58,11 @@ absl::Status RunServing(const Assignment& a, job::RankJob& rank_job, RankControl
       if (last && !absl::IsCancelled(res.status())) write(ResultOf(a, batch->step(), res));
       return res.status();
     }
-    if (res.ok()) metrics.OnStep(*res, /*serving=*/true);
+    if (res.ok()) {
+      metrics.OnStep(*res, /*serving=*/true);
+    } else {
+      metrics.OnAbortedStep();
+    }
     if (last && !write(ResultOf(a, batch->step(), res))) {
       return absl::UnavailableError("the stream to the coordinator broke while sending a serving output");
     }

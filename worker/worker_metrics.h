@@ -20,6 +20,8 @@ class WorkerMetrics {
  public:
   // A step a rank of this worker completed (a serving micro-batch: its time only).
   void OnStep(const stage::StepResult& result, bool serving);
+  // A serving micro-batch its stages refused (abandoned on every rank): counted, untimed.
+  void OnAbortedStep() { ++steps_; }
   void OnCheckpoint() { ++checkpoints_; }
   void SetBusy(bool busy) { busy_ = busy; }
   std::string Text(bool registered) const;
