@@ -6,6 +6,8 @@
 namespace pippy::coordinator {
 namespace {
 
+using ::testing::HasSubstr;
+
 TEST_F(CoordinatorTest, WorkerLost_WithoutRestarts_FailsTheJobNamingIt_AndTellsTheOthersToStop) {
   Start("worker_lost");
   auto workers = AddWorkers(2);

@@ -6,6 +6,8 @@
 namespace pippy::coordinator {
 namespace {
 
+using ::testing::HasSubstr;
+
 TEST_F(CoordinatorTest, ThreeStageJob_EachWorkerIsSentOnlyItsStageAndItsShareOfTheData) {
   Start("only_its_stage", /*chunk_bytes=*/4096);
   auto workers = AddWorkers(3);

@@ -23,20 +23,17 @@
 #include "torch/csrc/jit/serialization/pickle.h"
 
 namespace pippy::coordinator {
-namespace {  // each test file has its own copy
 
-using ::testing::HasSubstr;
+inline const std::string kZoo = "examples/models/zoo/";
 
-const std::string kZoo = "examples/models/zoo/";
-
-std::string Slurp(const std::string& path) {
+inline std::string Slurp(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   std::stringstream s;
   s << in.rdbuf();
   return s.str();
 }
 
-std::string TmpDir(const std::string& name) {
+inline std::string TmpDir(const std::string& name) {
   std::string dir = absl::StrCat(getenv("TEST_TMPDIR") ? getenv("TEST_TMPDIR") : "/tmp", "/coord_", name);
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
@@ -85,7 +82,7 @@ struct Received {
 };
 
 // What the last assignment in `messages` brought.
-Received Collect(const std::vector<CoordinatorMessage>& messages) {
+inline Received Collect(const std::vector<CoordinatorMessage>& messages) {
   Received r;
   std::map<int, bool> done;
   bool data_done = false, state_done = false;
@@ -116,21 +113,21 @@ Received Collect(const std::vector<CoordinatorMessage>& messages) {
   return r;
 }
 
-bool AssignmentArrived(const std::vector<CoordinatorMessage>& m) { return Collect(m).complete; }
+inline bool AssignmentArrived(const std::vector<CoordinatorMessage>& m) { return Collect(m).complete; }
 
 // A complete assignment of attempt `attempt` arrived.
-std::function<bool(const std::vector<CoordinatorMessage>&)> AttemptArrived(int attempt) {
+inline std::function<bool(const std::vector<CoordinatorMessage>&)> AttemptArrived(int attempt) {
   return [attempt](const std::vector<CoordinatorMessage>& m) {
     Received r = Collect(m);
     return r.complete && r.assignment.attempt() == attempt;
   };
 }
 
-bool CancelArrived(const std::vector<CoordinatorMessage>& m) {
+inline bool CancelArrived(const std::vector<CoordinatorMessage>& m) {
   return std::any_of(m.begin(), m.end(), [](const CoordinatorMessage& x) { return x.has_cancel(); });
 }
 
-JobSpec MlpSpec(int stages) {
+inline JobSpec MlpSpec(int stages) {
   JobSpec spec;
   spec.set_name("mlp");
   spec.mutable_split()->set_stages(stages);
@@ -293,7 +290,6 @@ class CoordinatorTest : public ::testing::Test {
   std::vector<std::string> ids_;
 };
 
-}  // namespace
 }  // namespace pippy::coordinator
 
 #endif  // PIPPY_COORDINATOR_COORDINATOR_TEST_FIXTURE_H_

@@ -95,7 +95,9 @@ TEST(MakeLayout, EveryRankRunsTheValidatedSchedule) {
       EXPECT_EQ(mine->forward_only, kind == SCHEDULE_INFERENCE);
       EXPECT_EQ(mine->graph.consumers, reference->graph.consumers);
       for (int other = 0; other < layout->ranks_size(); ++other) {
-        if (other != r) EXPECT_TRUE(mine->ranks[static_cast<size_t>(other)].empty());
+        if (other != r) {
+          EXPECT_TRUE(mine->ranks[static_cast<size_t>(other)].empty());
+        }
       }
     }
   }

@@ -257,6 +257,10 @@ std::vector<int> Placement(ScheduleKind kind, int num_ranks, int num_stages) {
 
 absl::StatusOr<Schedule> MakeSchedule(ScheduleKind kind, const ScheduleOptions& options) {
   const int R = options.num_ranks, m = options.num_microbatches;
+  if (kind == SCHEDULE_KIND_UNSPECIFIED || !ScheduleKind_IsValid(kind)) {
+    return absl::InvalidArgumentError(absl::StrCat("schedule kind ", static_cast<int>(kind), " is not a schedule: use ",
+                                                   names::NameList(ScheduleKind_descriptor())));
+  }
   const std::string name = names::Name(kind);
   if (R < 1) return absl::InvalidArgumentError("a schedule needs at least 1 rank");
   if (m < 1) return absl::InvalidArgumentError("a schedule needs at least 1 micro-batch");
@@ -306,6 +310,8 @@ absl::StatusOr<Schedule> MakeSchedule(ScheduleKind kind, const ScheduleOptions& 
       if (!s.ok()) return s;
       break;
     }
+    default:  // refused above
+      return absl::InternalError(absl::StrCat("schedule kind ", static_cast<int>(kind), " has no generator"));
   }
   InsertCommunication(&sc);
   return sc;

@@ -199,6 +199,8 @@ TEST(Preconditions, Violations_SayWhatToChange) {
               HasSubstr("use --microbatches 8"));
   o.stages_per_rank = 2;
   EXPECT_THAT(MakeSchedule(SCHEDULE_GPIPE, o).status().message(), HasSubstr("one stage per rank"));
+  EXPECT_THAT(MakeSchedule(SCHEDULE_KIND_UNSPECIFIED, o).status().message(),
+              HasSubstr("schedule kind 0 is not a schedule: use gpipe, 1f1b"));
   EXPECT_THAT(names::Parse<ScheduleKind>("schedule", "zigzag").status().message(),
               HasSubstr("unknown schedule 'zigzag'"));
   EXPECT_TRUE(names::Parse<ScheduleKind>("schedule", "ZBVZeroBubble").ok());
