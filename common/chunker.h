@@ -7,11 +7,13 @@
 #define PIPPY_COMMON_CHUNKER_H_
 
 #include <algorithm>
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <utility>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
 namespace pippy {
@@ -42,6 +44,19 @@ class Chunker {
 
   // Bytes appended so far.
   size_t total() const { return total_; }
+
+  using Sink = std::function<absl::Status(absl::string_view)>;
+  // Streams everything `source` writes (through the sink it is given) as chunks of
+  // `chunk_bytes` to `emit`, the last one when `source` returns. Returns the bytes
+  // streamed, or the first error of `source` or `emit` (nothing more is emitted then).
+  static absl::StatusOr<int64_t> Stream(size_t chunk_bytes, Emit emit,
+                                        const std::function<absl::Status(const Sink&)>& source) {
+    Chunker chunker(chunk_bytes, std::move(emit));
+    absl::Status s = source([&](absl::string_view piece) { return chunker.Append(piece); });
+    if (s.ok()) s = chunker.Finish();
+    if (!s.ok()) return s;
+    return static_cast<int64_t>(chunker.total());
+  }
 
  private:
   const size_t chunk_bytes_;

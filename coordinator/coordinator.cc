@@ -9,6 +9,7 @@
 #include "coordinator/rank_sender.h"
 #include "coordinator/result_assembly.h"
 #include "pipeline/job/job_spec.h"
+#include "pipeline/job/layout.h"
 #include "proto/job_state.h"
 
 namespace pippy::coordinator {
@@ -109,12 +110,8 @@ absl::Status Coordinator::Admit(const PreparedJob& prepared) {
   for (int r = 0; r < prepared.layout.ranks_size(); ++r) {
     const RankLayout& piece = prepared.layout.ranks(r);
     if (piece.memory_bytes() <= capacity.largest_gpu) continue;
-    std::vector<int> stages;
-    for (int s = 0; s < piece.stage_to_rank_size(); ++s) {
-      if (piece.stage_to_rank(s) == r) stages.push_back(s);
-    }
     return absl::InvalidArgumentError(absl::StrCat(
-        "split: rank ", r, " (stages ", absl::StrJoin(stages, ","), ") needs ", piece.memory_bytes(),
+        "split: rank ", r, " (stages ", absl::StrJoin(job::StagesOf(piece, r), ","), ") needs ", piece.memory_bytes(),
         " bytes of device memory (parameters, gradients and optimizer state) but the largest GPU worker "
         "registered has ",
         capacity.largest_gpu, " bytes free; split into more stages or add larger GPUs"));
@@ -202,12 +199,7 @@ void Coordinator::StreamFromMemory(const std::string& job_id, std::vector<RankSe
     return stages->Write(stage, sink);
   };
   for (size_t r = 0; r < sends.size(); ++r) {
-    threads.emplace_back([&, r] {
-      absl::Status s = SendRank(sends[r], from_memory, options_.chunk_bytes, &bytes[r]);
-      if (!s.ok() && !absl::IsCancelled(s) && !absl::IsUnavailable(s)) {
-        FailAttempt(job_id, sends[r].assignment.assignment().attempt(), std::string(s.message()));
-      }
-    });
+    threads.emplace_back([&, r] { SendOrFail(job_id, sends[r], from_memory, &bytes[r]); });
   }
   for (std::thread& t : threads) t.join();
   std::vector<int64_t> sizes(static_cast<size_t>(stages->size()), 0);
@@ -215,7 +207,7 @@ void Coordinator::StreamFromMemory(const std::string& job_id, std::vector<RankSe
     for (const auto& [s, n] : per_rank) sizes[static_cast<size_t>(s)] = n;
   }
   absl::MutexLock lock(&mu_);
-  jobs_.at(job_id)->StagesStreamed(sizes);
+  jobs_.at(job_id)->SetStageFileBytes(sizes);
   log::Info("job={} stages streamed to {} workers from memory in {}", job_id, sends.size(),
             absl::FormatDuration(absl::Now() - start));
 }
@@ -284,10 +276,7 @@ void Coordinator::Schedule() {
     for (RankSend& send : sends) {
       tasks_.Run([this, job_id, send = std::move(send), from_files] {
         std::map<int, int64_t> ignored;
-        absl::Status s = SendRank(send, from_files, options_.chunk_bytes, &ignored);
-        if (!s.ok() && !absl::IsCancelled(s) && !absl::IsUnavailable(s)) {
-          FailAttempt(job_id, send.assignment.assignment().attempt(), std::string(s.message()));
-        }
+        SendOrFail(job_id, send, from_files, &ignored);
       });
     }
   }
@@ -302,7 +291,7 @@ void Coordinator::EndJob(JobRun& run, JobState state, const std::string& reason,
   }
   queue_.erase(std::remove(queue_.begin(), queue_.end(), run.id()), queue_.end());
   if (state != SUCCEEDED) {
-    CancelWorkers(run, reason, out);  // each is idle again once it reports its rank finished
+    CancelWorkers(run, reason, /*attempt=*/-1, out);  // each is idle again once it reports its rank finished
     return;
   }
   for (const std::string& wid : run.job().workers()) {
@@ -311,10 +300,10 @@ void Coordinator::EndJob(JobRun& run, JobState state, const std::string& reason,
   }
 }
 
-void Coordinator::CancelWorkers(const JobRun& run, const std::string& reason, Outbox* out) {
+void Coordinator::CancelWorkers(const JobRun& run, const std::string& reason, int attempt, Outbox* out) {
   for (const std::string& wid : run.job().workers()) {
     WorkerRegistry::Worker* w = workers_->Find(wid);
-    if (w == nullptr || w->info.job_id() != run.id() || w->attempt != run.attempt()) continue;
+    if (w == nullptr || w->info.job_id() != run.id() || (attempt >= 0 && w->attempt != attempt)) continue;
     CoordinatorMessage m;
     m.mutable_cancel()->set_job_id(run.id());
     m.mutable_cancel()->set_reason(reason);
@@ -333,11 +322,20 @@ void Coordinator::LoseAttempt(JobRun& run, const std::string& what, Outbox* out)
     return;
   }
   // The job's other workers stop; each is idle again once it reports its rank finished.
-  CancelWorkers(run, absl::StrCat("restarting the job: ", what), out);
+  CancelWorkers(run, absl::StrCat("restarting the job: ", what), run.attempt(), out);
   run.Recover(what);
   metrics_.OnRestart();
   queue_.erase(std::remove(queue_.begin(), queue_.end(), run.id()), queue_.end());
   queue_.insert(queue_.begin(), run.id());
+}
+
+void Coordinator::SendOrFail(const std::string& job_id, const RankSend& send, const StageWriter& writer,
+                             std::map<int, int64_t>* stage_bytes) {
+  absl::Status s = SendRank(send, writer, options_.chunk_bytes, stage_bytes);
+  // CANCELLED: the attempt ended; UNAVAILABLE: the worker is gone (its removal recovers the job).
+  if (!s.ok() && !absl::IsCancelled(s) && !absl::IsUnavailable(s)) {
+    FailAttempt(job_id, send.assignment.assignment().attempt(), std::string(s.message()));
+  }
 }
 
 void Coordinator::FailAttempt(const std::string& job_id, int attempt, const std::string& reason) {

@@ -152,7 +152,9 @@ class Coordinator {
   // A worker of the job's current attempt is lost (`what` says which and how): the job
   // restarts from its last checkpoint, queued first, or FAILS when no restart is left.
   void LoseAttempt(JobRun& run, const std::string& what, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void CancelWorkers(const JobRun& run, const std::string& reason, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tells the workers still holding the job to stop: those on `attempt` (-1: on any).
+  void CancelWorkers(const JobRun& run, const std::string& reason, int attempt, Outbox* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The job records and layouts found at start-up.
   void RestoreJobs() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   JobRun* Find(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -162,6 +164,10 @@ class Coordinator {
   void OnCheckpointChunk(const CheckpointChunk& chunk);
   void OnResultChunk(const std::string& job_id, int attempt, int stage, const std::string& chunk, bool last);
   void OnServeResult(const std::string& worker_id, const ServeResult& result);
+  // Sends a placed rank its files (rank_sender.h); an error other than the attempt ending
+  // or the worker going fails the attempt.
+  void SendOrFail(const std::string& job_id, const RankSend& send, const StageWriter& writer,
+                  std::map<int, int64_t>* stage_bytes);
   // Fails the job if it is still at `attempt` (a placement that could not be sent).
   void FailAttempt(const std::string& job_id, int attempt, const std::string& reason);
   // All ranks finished: assemble the result on a task thread, then end the job.

@@ -155,15 +155,12 @@ void JobRun::Touch() {
 
 void JobRun::StageFilesWritten(const std::vector<int64_t>& sizes, bool queue) {
   stage_files_ready_ = true;
-  if (queue) {
-    job_.clear_stage_file_bytes();
-    for (int64_t n : sizes) job_.add_stage_file_bytes(n);
-    job_.set_state(QUEUED);
-    Touch();
-  }
+  if (!queue) return;  // streamed from memory already, with these sizes
+  job_.set_state(QUEUED);
+  SetStageFileBytes(sizes);
 }
 
-void JobRun::StagesStreamed(const std::vector<int64_t>& sizes) {
+void JobRun::SetStageFileBytes(const std::vector<int64_t>& sizes) {
   job_.clear_stage_file_bytes();
   for (int64_t n : sizes) job_.add_stage_file_bytes(n);
   Touch();

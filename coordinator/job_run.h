@@ -92,7 +92,8 @@ class JobRun {
   std::shared_ptr<const PreparedStages> TakeStages() { return std::move(stages_); }
   // Stage files written: their sizes. `queue`: the job waits for workers (QUEUED).
   void StageFilesWritten(const std::vector<int64_t>& sizes, bool queue);
-  void StagesStreamed(const std::vector<int64_t>& sizes);
+  // Each stage's archive size, as streamed or written (Job.stage_file_bytes).
+  void SetStageFileBytes(const std::vector<int64_t>& sizes);
   // Whether Place can read its stages: a checkpoint's, or the original files.
   bool StagesOnDisk() const { return stage_files_ready_ || job_.checkpoint_step() > 0; }
   // Reads the stages a placement sends: the last checkpoint's, or the original files.

@@ -9,7 +9,7 @@
 namespace pippy::coordinator {
 namespace {
 
-using Sink = std::function<absl::Status(absl::string_view)>;
+using Sink = Chunker::Sink;
 
 // Streams what `source` writes as chunk messages (the last, possibly short, says so)
 // that `chunk_of` picks in a message. Returns the bytes sent; an error names `what`.
@@ -17,21 +17,21 @@ template <typename ChunkOf>
 absl::StatusOr<int64_t> Stream(const RankSend& send, size_t chunk_bytes, const ChunkOf& chunk_of,
                                const std::function<absl::Status(const Sink&)>& source, const std::string& what) {
   const Assignment& a = send.assignment.assignment();
-  Chunker chunker(chunk_bytes, [&](std::string chunk, bool last) -> absl::Status {
-    if (send.stop->load()) return absl::CancelledError("the job ended");
-    CoordinatorMessage m;
-    auto* c = chunk_of(&m);
-    c->set_job_id(a.job_id());
-    c->set_attempt(a.attempt());
-    c->set_chunk(std::move(chunk));
-    c->set_last_chunk(last);
-    return send.channel->Send(m) ? absl::OkStatus() : absl::UnavailableError("the worker's stream closed");
-  });
-  absl::Status s = source([&](absl::string_view piece) { return chunker.Append(piece); });
-  if (s.ok()) s = chunker.Finish();
-  if (s.ok()) return static_cast<int64_t>(chunker.total());
-  if (absl::IsCancelled(s) || absl::IsUnavailable(s)) return s;
-  return absl::Status(s.code(), absl::StrCat("cannot send ", what, ": ", s.message()));
+  absl::StatusOr<int64_t> sent = Chunker::Stream(
+      chunk_bytes,
+      [&](std::string chunk, bool last) -> absl::Status {
+        if (send.stop->load()) return absl::CancelledError("the job ended");
+        CoordinatorMessage m;
+        auto* c = chunk_of(&m);
+        c->set_job_id(a.job_id());
+        c->set_attempt(a.attempt());
+        c->set_chunk(std::move(chunk));
+        c->set_last_chunk(last);
+        return send.channel->Send(m) ? absl::OkStatus() : absl::UnavailableError("the worker's stream closed");
+      },
+      source);
+  if (sent.ok() || absl::IsCancelled(sent.status()) || absl::IsUnavailable(sent.status())) return sent;
+  return absl::Status(sent.status().code(), absl::StrCat("cannot send ", what, ": ", sent.status().message()));
 }
 
 }  // namespace

@@ -50,11 +50,6 @@ absl::StatusOr<std::unique_ptr<RankTransports>> RankTransports::Create(
   return t;
 }
 
-RankTransports::~RankTransports() {
-  staged_.reset();  // it wraps the UCX transport
-  ucx_.reset();
-}
-
 absl::Status RankTransports::Connect(const std::vector<std::string>& addresses) {
   PIPPY_RETURN_IF_ERROR(ucx_->Connect(addresses));
   // A GPU rank's tensors cross to other ranks through host memory (ucx+staging).

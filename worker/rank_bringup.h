@@ -44,7 +44,6 @@ class RankTransports {
   // Errors: UCX's (UNAVAILABLE, INVALID_ARGUMENT naming the setting).
   static absl::StatusOr<std::unique_ptr<RankTransports>> Create(
       int rank, int world, c10::Device device, const std::vector<std::pair<std::string, std::string>>& ucx_config);
-  ~RankTransports();
 
   // This rank's UCX address, for its peers.
   const std::string& address() const { return address_; }
@@ -58,7 +57,7 @@ class RankTransports {
   RankTransports() = default;
   c10::Device device_ = c10::Device(c10::kCPU);
   std::unique_ptr<transport::ucx::UcxTransport> ucx_;
-  std::unique_ptr<transport::Transport> staged_;
+  std::unique_ptr<transport::Transport> staged_;  // wraps ucx_: declared after it, destroyed before it
   std::string address_;
 };
 

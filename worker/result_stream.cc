@@ -15,26 +15,28 @@
 namespace pippy::worker {
 namespace {
 
-using Sink = std::function<absl::Status(absl::string_view)>;
+using Sink = Chunker::Sink;
 
 // Streams what `source` writes in chunk messages that `chunk_of` picks in a message,
 // for assignment `a`; `what` names them when the stream breaks. Returns the bytes sent.
 template <typename ChunkOf>
 absl::StatusOr<int64_t> Stream(const Writer& write, const Assignment& a, size_t chunk_bytes, const ChunkOf& chunk_of,
                                const std::function<absl::Status(const Sink&)>& source, const char* what) {
-  Chunker chunker(chunk_bytes, [&](std::string chunk, bool last) -> absl::Status {
-    WorkerMessage m;
-    auto* c = chunk_of(&m);
-    c->set_job_id(a.job_id());
-    c->set_attempt(a.attempt());
-    c->set_chunk(std::move(chunk));
-    c->set_last_chunk(last);
-    if (!write(m)) return absl::UnavailableError(absl::StrCat("the stream to the coordinator broke while sending ", what));
-    return absl::OkStatus();
-  });
-  PIPPY_RETURN_IF_ERROR(source([&](absl::string_view piece) { return chunker.Append(piece); }));
-  PIPPY_RETURN_IF_ERROR(chunker.Finish());
-  return static_cast<int64_t>(chunker.total());
+  return Chunker::Stream(
+      chunk_bytes,
+      [&](std::string chunk, bool last) -> absl::Status {
+        WorkerMessage m;
+        auto* c = chunk_of(&m);
+        c->set_job_id(a.job_id());
+        c->set_attempt(a.attempt());
+        c->set_chunk(std::move(chunk));
+        c->set_last_chunk(last);
+        if (!write(m)) {
+          return absl::UnavailableError(absl::StrCat("the stream to the coordinator broke while sending ", what));
+        }
+        return absl::OkStatus();
+      },
+      source);
 }
 
 // A test's fault: PIPPY_TEST_DIE_IN_CHECKPOINT=N makes this process SIGKILL itself
