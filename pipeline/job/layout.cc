@@ -34,8 +34,11 @@ absl::StatusOr<JobLayout> MakeLayout(const JobSpec& spec, const PipelinePlan& pl
 
 namespace {
 
+// A piece that does not fit its plan was not made by MakeLayout from that plan: most
+// likely a coordinator and a worker of different versions.
 absl::Status Bad(int rank, const std::string& what) {
-  return absl::InvalidArgumentError(absl::StrCat("rank ", rank, "'s layout: ", what));
+  return absl::InvalidArgumentError(absl::StrCat("rank ", rank, "'s layout: ", what,
+                                                 " (was this worker sent it by a coordinator of its own version?)"));
 }
 
 }  // namespace
