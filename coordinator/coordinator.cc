@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/log.h"
+#include "common/status.h"
 #include "coordinator/rank_sender.h"
 #include "coordinator/result_assembly.h"
 #include "pipeline/job/job_spec.h"
@@ -50,6 +51,7 @@ Coordinator::~Coordinator() {
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
+    stopping_ = true;
     for (auto& [id, run] : jobs_) run->StopSenders();
   }
   if (loop_.joinable()) loop_.join();
@@ -65,9 +67,10 @@ absl::StatusOr<std::unique_ptr<Upload>> Coordinator::NewUpload() { return artifa
 absl::Status Coordinator::AcquireModelSlot() {
   absl::MutexLock lock(&mu_);
   auto free_or_stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !model_in_memory_ || stop_; };
-  // No deadline needed: whoever holds the slot lets go when its own bounded work ends.
+  // No deadline needed: whoever holds the slot lets go when its child ends, and every
+  // child has deadlines (PrepareOptions, AssembleOptions).
   mu_.Await(absl::Condition(&free_or_stopping));
-  if (stop_) return absl::UnavailableError("the coordinator is stopping; submit again once it is back");
+  if (stop_ || stopping_) return absl::UnavailableError("the coordinator is stopping; submit again once it is back");
   model_in_memory_ = true;
   return absl::OkStatus();
 }
@@ -127,121 +130,34 @@ absl::StatusOr<std::string> Coordinator::SubmitJob(const JobSpec& spec, std::uni
   if (!room.ok()) return room;
   absl::Status slot = AcquireModelSlot();
   if (!slot.ok()) return slot;
-  absl::StatusOr<PreparedJob> prepared =
-      PrepareJob(spec, upload->dir(), {options_.model_checker, options_.model_check_timeout});
-  if (!prepared.ok()) {
-    ReleaseModelSlot();
-    return prepared.status();
-  }
-  std::string id;
-  {
-    absl::MutexLock lock(&mu_);
-    absl::Status admitted = Admit(*prepared);
-    if (admitted.ok()) {
-      id = absl::StrCat("job-", next_job_++);
-      admitted = artifacts_->Accept(*upload, id);
-    }
-    if (!admitted.ok()) {
-      model_in_memory_ = false;
-      return admitted;
-    }
-    Job job;
-    job.set_job_id(id);
-    job.set_user(user);
-    *job.mutable_spec() = prepared->spec;
-    *job.mutable_plan() = prepared->plan;
-    job.set_state(PARTITIONING);
-    job.set_created_unix_ms(absl::ToUnixMillis(absl::Now()));
-    job.set_model_bytes(upload->model_bytes());
-    auto run = std::make_unique<JobRun>(JobRun::Stores{store_.get(), artifacts_.get()}, std::move(job),
-                                        prepared->layout, prepared->share_bytes, std::move(prepared->stages));
-    log::Info("job={} accepted: {} stages on {} workers{}, schedule {}", id, prepared->plan.stages_size(), run->ranks(),
-              run->layout().replicas() > 1 ? absl::StrCat(" (", run->layout().replicas(), " replicas)") : "",
-              job::ScheduleName(prepared->spec.schedule().kind()));
-    jobs_[id] = std::move(run);
-  }
-  tasks_.Run([this, id] { StageOut(id); });
-  return id;
-}
-
-void Coordinator::StageOut(const std::string& job_id) {
-  std::shared_ptr<const PreparedStages> stages;
-  std::vector<RankSend> sends;
-  bool restartable = false;
-  {
-    absl::MutexLock lock(&mu_);
-    JobRun& run = *jobs_.at(job_id);
-    stages = run.TakeStages();
-    // Straight from memory when the job can run now and no earlier job waits for
-    // these workers; else to files and the queue.
-    if (!run.ended() && queue_.empty()) sends = PlaceOnIdleWorkers(run);
-    restartable = run.job().spec().fault_tolerance().max_restarts() > 0;
-  }
-  if (stages != nullptr && !sends.empty()) {
-    StreamFromMemory(job_id, std::move(sends), stages);
-    // A restart before the first checkpoint (or after a coordinator restart) places
-    // the stages again from files; the job runs meanwhile.
-    if (restartable) WriteStageFiles(job_id, stages, /*queue=*/false);
-  } else if (stages != nullptr) {
-    WriteStageFiles(job_id, stages, /*queue=*/true);
-  }
-  stages.reset();
+  PrepareOptions prepare;
+  prepare.preparer = options_.child_binary;
+  prepare.timeout = options_.prepare_timeout;
+  prepare.probe_timeout = options_.probe_timeout;
+  prepare.cancelled = [this] { return stopping_.load(); };
+  absl::StatusOr<PreparedJob> prepared = PrepareJob(spec, upload->dir(), prepare);
   ReleaseModelSlot();
-}
-
-void Coordinator::StreamFromMemory(const std::string& job_id, std::vector<RankSend> sends,
-                                   std::shared_ptr<const PreparedStages> stages) {
-  // Every rank at once, each stage serialised as it is sent.
-  const auto start = absl::Now();
-  std::vector<std::map<int, int64_t>> bytes(sends.size());
-  std::vector<std::thread> threads;
-  StageWriter from_memory = [&stages](int stage, const std::function<absl::Status(absl::string_view)>& sink) {
-    return stages->Write(stage, sink);
-  };
-  for (size_t r = 0; r < sends.size(); ++r) {
-    threads.emplace_back([&, r] { SendOrFail(job_id, sends[r], from_memory, &bytes[r]); });
-  }
-  for (std::thread& t : threads) t.join();
-  std::vector<int64_t> sizes(static_cast<size_t>(stages->size()), 0);
-  for (const auto& per_rank : bytes) {
-    for (const auto& [s, n] : per_rank) sizes[static_cast<size_t>(s)] = n;
-  }
+  if (!prepared.ok()) return prepared.status();
   absl::MutexLock lock(&mu_);
-  jobs_.at(job_id)->SetStageFileBytes(sizes);
-  log::Info("job={} stages streamed to {} workers from memory in {}", job_id, sends.size(),
-            absl::FormatDuration(absl::Now() - start));
-}
-
-void Coordinator::WriteStageFiles(const std::string& job_id, std::shared_ptr<const PreparedStages> stages,
-                                  bool queue) {
-  {
-    absl::MutexLock lock(&mu_);
-    if (jobs_.at(job_id)->ended()) return;  // cancelled meanwhile (its files went with it)
-  }
-  const auto start = absl::Now();
-  absl::StatusOr<std::vector<int64_t>> sizes = stages->WriteFiles(artifacts_->JobDir(job_id));
-  Outbox out;
-  {
-    absl::MutexLock lock(&mu_);
-    JobRun& run = *jobs_.at(job_id);
-    if (run.ended()) {
-      artifacts_->RemoveJobFiles(job_id);  // it ended while the files were written
-    } else if (!sizes.ok()) {
-      const std::string why = absl::StrCat("writing the stage files", queue ? "" : " for restarts", ": ",
-                                           sizes.status().message());
-      log::Warn("job={} {}", job_id, why);
-      // A job that waits for them, or must restart from them, cannot go on.
-      if (queue || (run.state() == RECOVERING && run.job().checkpoint_step() == 0)) {
-        EndJob(run, FAILED, queue ? why : absl::StrCat("the job cannot restart: ", why), &out);
-      }
-    } else {
-      run.StageFilesWritten(*sizes, queue);
-      if (queue) queue_.push_back(job_id);
-      log::Info("job={} {} stage files written in {}", job_id, sizes->size(), absl::FormatDuration(absl::Now() - start));
-      Schedule();  // a queued job, or a restart, may have been waiting for them
-    }
-  }
-  Deliver(&out);
+  PIPPY_RETURN_IF_ERROR(Admit(*prepared));
+  const std::string id = absl::StrCat("job-", next_job_++);
+  PIPPY_RETURN_IF_ERROR(artifacts_->Accept(*upload, id));
+  Job job;
+  job.set_job_id(id);
+  job.set_user(user);
+  *job.mutable_spec() = prepared->spec;
+  *job.mutable_plan() = prepared->plan;
+  job.set_created_unix_ms(absl::ToUnixMillis(absl::Now()));
+  job.set_model_bytes(upload->model_bytes());
+  auto run = std::make_unique<JobRun>(JobRun::Stores{store_.get(), artifacts_.get()}, std::move(job),
+                                      prepared->layout, prepared->share_bytes, prepared->stage_bytes);
+  log::Info("job={} accepted: {} stages on {} workers{}, schedule {}", id, prepared->plan.stages_size(), run->ranks(),
+            run->layout().replicas() > 1 ? absl::StrCat(" (", run->layout().replicas(), " replicas)") : "",
+            job::ScheduleName(prepared->spec.schedule().kind()));
+  jobs_[id] = std::move(run);
+  queue_.push_back(id);
+  Schedule();  // placed now if enough workers are idle
+  return id;
 }
 
 std::vector<RankSend> Coordinator::PlaceOnIdleWorkers(JobRun& run) {
@@ -525,10 +441,14 @@ void Coordinator::Assemble(const std::string& job_id) {
     stages = run.job().plan().stages_size();
   }
   absl::StatusOr<std::string> assembled = absl::UnavailableError("the coordinator is stopping");
-  // Merging trained stages loads the submitted model: the one model slot.
+  // Merging trained stages loads the submitted model (in a child): the one slot.
   absl::Status slot = inference ? absl::OkStatus() : AcquireModelSlot();
   if (slot.ok()) {
-    assembled = AssembleResult(*artifacts_, job_id, inference, stages);
+    AssembleOptions merge;
+    merge.merger = options_.child_binary;
+    merge.timeout = options_.prepare_timeout;
+    merge.cancelled = [this] { return stopping_.load(); };
+    assembled = AssembleResult(*artifacts_, job_id, inference, stages, merge);
     if (!inference) ReleaseModelSlot();
   }
   Outbox out;

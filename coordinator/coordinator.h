@@ -4,21 +4,21 @@
 // workers is rank_sender.h's, the metrics text coordinator_metrics.h's, the traces
 // step_trace.h's and a result's assembly result_assembly.h's.
 //
-// A submission is prepared once, when it arrives (job_preparation.h): the model is
-// loaded, checked against the data and split, its layout made, and each rank's share
-// of the data cut; an invalid submission is refused then, with INVALID_ARGUMENT
-// naming the field, and SubmitJob returns. The job is PARTITIONING while its stages,
-// still in memory, go out: if enough workers are idle and no earlier job waits they
-// are streamed straight to them (PLACING), each worker receiving only its own stages
-// and its share of the data, all in parallel; otherwise they are written to stage
-// files and the job waits in the queue (QUEUED) until enough idle workers are
-// registered. Several jobs run at once on disjoint workers. When every rank has
-// finished, the trained stages (sent back in chunks, written to disk as they come) are
-// put back into the submitted model, which FetchModel then serves from a file.
+// A submission is prepared once, when it arrives (job_preparation.h), in a child
+// process: the model is loaded, checked against the data and split, its layout made,
+// its stage files and each rank's share of the data written; an invalid submission is
+// refused then, with INVALID_ARGUMENT naming the field, and SubmitJob returns. The
+// coordinator's own process never loads the model nor runs its code. The job is
+// QUEUED until enough idle workers are registered (no earlier job waiting for them
+// first), then PLACING: each worker receives only its own stages and its share of the
+// data, all workers in parallel, from the files. Several jobs run at once on disjoint
+// workers. When every rank has finished, the trained stages (sent back in chunks,
+// written to disk as they come) are put back into the submitted model, in a child
+// process too (result_assembly.h), which FetchModel then serves from a file.
 //
-// Memory: at most one model is held at a time (preparing a submission and sending or
-// writing its stages, or assembling a result); a second submission waits for the
-// first to let go. Files move in chunks.
+// Memory: the coordinator holds no model; one child at a time loads one (preparing a
+// submission, or assembling a result), so a second submission waits for the first's
+// child to end (each child has deadlines). Files move in chunks.
 //
 // Fault tolerance (docs/fault_tolerance.md): a job whose worker is lost (its stream
 // breaks, its heartbeats stop for `heartbeat_timeout`, or a rank reports a peer gone)
@@ -29,7 +29,8 @@
 // Job records and layouts persist in SQLite (JobStore). After a restart with the same
 // state directory, queued jobs stay queued, and jobs that were placed or running
 // resume (RECOVERING) from their last checkpoint once workers reconnect; workers keep
-// their ids. Jobs whose stages were still only in memory (PARTITIONING) are FAILED.
+// their ids. Jobs of older coordinators whose stages were still only in memory
+// (PARTITIONING) are FAILED.
 //
 // Thread safety: every public method may be called from any thread. One mutex guards
 // the registry, the jobs and the queue; messages to workers are sent after it is
@@ -70,15 +71,21 @@ class Coordinator {
     size_t chunk_bytes = 1 << 20;  // pieces of the files streamed to workers
     // Jobs a user may have waiting (QUEUED, or being prepared and staged) at once; 0: no limit.
     int max_queued_per_user = 0;
-    // Submitted models are loaded in this pippy-coordinator binary (--check-model) first;
-    // empty: only in this process. See model_check.h.
-    std::string model_checker;
-    absl::Duration model_check_timeout = absl::Minutes(5);
+    // Submissions are prepared and results assembled in children of this
+    // pippy-coordinator binary (--prepare, --merge); empty: in this process (the unit
+    // tests of the coordinator's logic only). See job_preparation.h.
+    std::string child_binary;
+    absl::Duration prepare_timeout = absl::Minutes(5);  // a child, whole
+    absl::Duration probe_timeout = absl::Minutes(2);    // the model's forward passes in it
   };
 
   // Errors: UNAVAILABLE when the state directory cannot be opened.
   static absl::StatusOr<std::unique_ptr<Coordinator>> Create(const Options& options);
   ~Coordinator();
+
+  // The coordinator is stopping (SIGTERM): children preparing or assembling are killed,
+  // their callers answered UNAVAILABLE, and no new one starts. Safe from any thread.
+  void BeginStop() { stopping_ = true; }
 
   // ---- users ----
   // A place for a submission's model and data while they arrive (removed unless the
@@ -128,20 +135,14 @@ class Coordinator {
  private:
   explicit Coordinator(const Options& options) : options_(options) {}
   void Loop();
-  // At most one model in memory: preparing, sending or writing stages and assembling
-  // take the one slot. Errors: UNAVAILABLE when the coordinator is stopping.
+  // At most one child holding a model at a time: preparing and assembling take the one
+  // slot (each child has deadlines). Errors: UNAVAILABLE when the coordinator is stopping.
   absl::Status AcquireModelSlot();
   void ReleaseModelSlot();
   // The checks of a prepared submission against the workers registered (enough of
   // them; with only GPU workers, every rank fits one). Errors: INVALID_ARGUMENT.
   absl::Status Admit(const PreparedJob& prepared) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckUserQueue(const std::string& user);
-  // A prepared job's stages go out: to idle workers straight from memory, or to stage
-  // files and the queue. Runs on a task thread; releases the model slot.
-  void StageOut(const std::string& job_id);
-  void StreamFromMemory(const std::string& job_id, std::vector<RankSend> sends,
-                        std::shared_ptr<const PreparedStages> stages);
-  void WriteStageFiles(const std::string& job_id, std::shared_ptr<const PreparedStages> stages, bool queue);
   // Places queued jobs (whose stages are on disk) on idle workers; starts their senders.
   void Schedule() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Chooses workers for the job and places it there (none: empty).
@@ -179,6 +180,7 @@ class Coordinator {
   CoordinatorMetrics metrics_;
   absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::atomic<bool> stopping_{false};  // BeginStop: children are killed
   bool model_in_memory_ ABSL_GUARDED_BY(mu_) = false;  // the model slot is taken
   int64_t next_job_ ABSL_GUARDED_BY(mu_) = 1;
   std::unique_ptr<WorkerRegistry> workers_ ABSL_GUARDED_BY(mu_);

@@ -13,19 +13,21 @@ TEST_F(CoordinatorTest, ThreeStageJob_EachWorkerIsSentOnlyItsStageAndItsShareOfT
   auto workers = AddWorkers(3);
   const std::string model = Slurp(kZoo + "mlp.pt");
   const std::string data = Slurp(kZoo + "mlp.data.pt");
-  // Without restarts nothing needs the stage files later: none are written.
   JobSpec spec = MlpSpec(3);
   spec.mutable_fault_tolerance()->set_max_restarts(0);
   auto id = Submit(spec, model, data);
   ASSERT_TRUE(id.ok()) << id.status();
   std::vector<Received> received;
   for (int r = 0; r < 3; ++r) received.push_back(Collect(workers[r]->WaitFor(AssignmentArrived)));
-  // The workers were idle: the stages went straight from memory, and their sizes are
-  // on the job once sent.
-  auto job = WaitForJob(*id, [](const Job& j) { return j.stage_file_bytes_size() == 3; });
+  // The preparation wrote every stage file before the job was accepted; the workers
+  // were idle, so it was placed at once, from those files.
+  auto job = WaitForJob(*id, [](const Job& j) { return j.state() == PLACING; });
   ASSERT_EQ(job.plan().stages_size(), 3);
   ASSERT_EQ(job.stage_file_bytes_size(), 3);
-  EXPECT_FALSE(std::filesystem::exists(absl::StrCat(state_, "/jobs/", *id, "/stage_0.pt")));
+  for (int s = 0; s < 3; ++s) {
+    EXPECT_EQ(std::filesystem::file_size(absl::StrCat(state_, "/jobs/", *id, "/stage_", s, ".pt")),
+              static_cast<uintmax_t>(job.stage_file_bytes(s)));
+  }
   int64_t total = 0;
   for (int r = 0; r < 3; ++r) {
     const Received& got = received[r];

@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <csignal>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -10,7 +13,7 @@
 #include "absl/strings/str_replace.h"
 #include "common/log.h"
 #include "common/status.h"
-#include "coordinator/model_check.h"
+#include "coordinator/child_process.h"
 #include "common/torch_status.h"
 #include "coordinator/artifact_store.h"
 #include "pipeline/job/layout.h"
@@ -43,6 +46,30 @@ absl::Status Bad(absl::string_view field, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
 }
 
+// Where the preparation says which phase it is in (child_process.h: AnnouncePhase).
+using Phase = std::function<void(absl::string_view)>;
+
+// The preparing child's heap cap: LibTorch itself with room to spare, plus the model,
+// its stages' graphs and the data a few times over.
+constexpr uint64_t kHeapBase = uint64_t{2} << 30;
+constexpr uint64_t kHeapFactor = 4;
+
+uint64_t InputBytes(const std::string& dir) {
+  uint64_t n = 0;
+  for (const char* f : {"/model.pt", "/data.pt"}) n += static_cast<uint64_t>(std::max<int64_t>(0, ArtifactStore::FileSize(dir + f)));
+  return n;
+}
+uint64_t HeapCap(const std::string& dir) { return kHeapBase + kHeapFactor * InputBytes(dir); }
+
+std::string HeapCapText(const std::string& dir) {
+  return absl::StrCat("the preparation may use ", HeapCap(dir) >> 20, " MiB: 2 GiB plus ", kHeapFactor,
+                      " x the model and data files");
+}
+
+bool OutOfMemory(const absl::Status& s) {
+  return absl::StrContains(s.message(), "can't allocate memory") || absl::StrContains(s.message(), "bad_alloc");
+}
+
 // The data's bytes: the uploaded file, or made from the synthetic spec.
 absl::StatusOr<std::string> DataBytes(const JobSpec& spec, const std::string& dir) {
   const std::string path = dir + "/data.pt";
@@ -59,65 +86,34 @@ absl::StatusOr<std::string> DataBytes(const JobSpec& spec, const std::string& di
   return stage::MakeSyntheticData(synthetic);
 }
 
-class StagesInMemory : public PreparedStages {
- public:
-  // The model is kept with its stages: their graphs use types (named tuples, classes)
-  // that live in the model's compilation unit. Its tensors are the stages' anyway.
-  StagesInMemory(torch::jit::Module model, std::vector<torch::jit::Module> stages)
-      : model_(std::move(model)), stages_(std::move(stages)) {}
-  int size() const override { return static_cast<int>(stages_.size()); }
-
-  absl::Status Write(int stage, const std::function<absl::Status(absl::string_view)>& sink) const override {
-    return torchio::WriteModule(stages_.at(static_cast<size_t>(stage)), sink);
+// Every stage written to `dir`/stage_<s>.pt, a few at a time (serialising a stage is
+// memory-bound: not one thread per stage); their sizes.
+absl::StatusOr<std::vector<int64_t>> WriteStageFiles(const std::vector<torch::jit::Module>& stages,
+                                                     const std::string& dir) {
+  const size_t parallel = std::max(1u, std::min(4u, std::thread::hardware_concurrency()));
+  std::vector<int64_t> sizes(stages.size(), 0);
+  std::vector<absl::Status> results(stages.size());
+  std::atomic<size_t> next{0};
+  std::vector<std::thread> threads;
+  for (size_t t = 0; t < std::min(parallel, stages.size()); ++t) {
+    threads.emplace_back([&] {
+      for (size_t s = next++; s < stages.size(); s = next++) {
+        const std::string path = absl::StrCat(dir, "/", ArtifactStore::StageFileName(static_cast<int>(s)));
+        results[s] = torchio::SaveModule(stages[s], path);
+        sizes[s] = ArtifactStore::FileSize(path);
+      }
+    });
   }
+  for (std::thread& t : threads) t.join();
+  for (const absl::Status& s : results) PIPPY_RETURN_IF_ERROR(s);
+  return sizes;
+}
 
-  absl::StatusOr<std::vector<int64_t>> WriteFiles(const std::string& dir) const override {
-    // Serialising a stage is memory-bound: a few at a time, not one per stage.
-    const size_t parallel = std::max(1u, std::min(4u, std::thread::hardware_concurrency()));
-    std::vector<int64_t> sizes(stages_.size(), 0);
-    std::vector<absl::Status> results(stages_.size());
-    std::atomic<size_t> next{0};
-    std::vector<std::thread> threads;
-    for (size_t t = 0; t < std::min(parallel, stages_.size()); ++t) {
-      threads.emplace_back([&] {
-        for (size_t s = next++; s < stages_.size(); s = next++) {
-          const std::string path = absl::StrCat(dir, "/", ArtifactStore::StageFileName(static_cast<int>(s)));
-          results[s] = torchio::SaveModule(stages_[s], path);
-          sizes[s] = ArtifactStore::FileSize(path);
-        }
-      });
-    }
-    for (std::thread& t : threads) t.join();
-    for (const absl::Status& s : results) PIPPY_RETURN_IF_ERROR(s);
-    return sizes;
-  }
-
- private:
-  const torch::jit::Module model_;
-  const std::vector<torch::jit::Module> stages_;
-};
-
-// The submitted model, loaded in a child process first (options.model_checker) and
-// then here; errors name it as the user knows it ('model'), not by the coordinator's file.
-absl::StatusOr<torch::jit::Module> LoadChecked(const std::string& dir, const PrepareOptions& options) {
+// The submitted model; errors name it as the user knows it ('model'), not by the
+// coordinator's file.
+absl::StatusOr<torch::jit::Module> LoadSubmitted(const std::string& dir) {
   const std::string model_path = dir + "/model.pt";
-  if (ArtifactStore::FileSize(model_path) <= 0) return Bad("model", "empty: send the TorchScript file's bytes");
-  absl::Status checked = absl::OkStatus();
-  if (!options.model_checker.empty()) {
-    const std::string data_path = dir + "/data.pt";
-    ModelCheckError c = CheckModelInChild(options.model_checker, model_path,
-                                          std::filesystem::exists(data_path) ? data_path : "",
-                                          options.model_check_timeout);
-    if (c.status.code() == absl::StatusCode::kUnavailable) return c.status;
-    if (c.field == ModelCheckError::kData && !c.status.ok()) {
-      // DataSource's own errors start with "data"; a crash or a hang does not.
-      if (absl::StartsWith(c.status.message(), "data")) return c.status;
-      return Bad("data", c.status.message());
-    }
-    checked = c.status;
-  }
-  absl::StatusOr<torch::jit::Module> loaded =
-      checked.ok() ? torchio::LoadModel(model_path) : absl::StatusOr<torch::jit::Module>(checked);
+  absl::StatusOr<torch::jit::Module> loaded = torchio::LoadModel(model_path);
   if (loaded.ok()) return loaded;
   std::string msg(loaded.status().message());
   msg = absl::StrReplaceAll(msg, {{absl::StrCat("'", model_path, "'"), "'model'"}});
@@ -127,8 +123,10 @@ absl::StatusOr<torch::jit::Module> LoadChecked(const std::string& dir, const Pre
 // The job's data, checked against the model: one micro-batch through its forward
 // (and the loss, for training). Returns the data; `example` gets that micro-batch.
 absl::StatusOr<stage::DataSource> CheckedData(const JobSpec& spec, const std::string& dir,
-                                              torch::jit::Module& model, std::vector<c10::IValue>* example) {
+                                              torch::jit::Module& model, const Phase& phase,
+                                              std::vector<c10::IValue>* example) {
   const bool train = spec.mode() == MODE_TRAIN;
+  phase("data");
   PIPPY_ASSIGN_OR_RETURN(std::string data_bytes, DataBytes(spec, dir));
   const std::vector<std::string> names = torchio::ForwardArgumentNames(model);
   absl::StatusOr<stage::DataSource> data_or = spec.has_serving()
@@ -144,7 +142,12 @@ absl::StatusOr<stage::DataSource> CheckedData(const JobSpec& spec, const std::st
   PIPPY_ASSIGN_OR_RETURN(auto mb_inputs, Field("data", stage::SplitIntoMicrobatches(
                                                            data.Inputs(0, spec.batch_size()), m, {}, names)));
   *example = mb_inputs[0];
+  phase("probe");
   absl::StatusOr<c10::IValue> output = partition::RunForwardOnce(model, *example);
+  if (!output.ok() && OutOfMemory(output.status())) {
+    return Bad("model", absl::StrCat("its forward ran out of memory on one micro-batch of the data (", HeapCapText(dir),
+                                     "): ", output.status().message()));
+  }
   if (!output.ok()) return Field("data: the inputs do not fit the model", output.status());
   if (train) {
     PIPPY_ASSIGN_OR_RETURN(auto mb_targets, Field("data", stage::SplitIntoMicrobatches(
@@ -176,22 +179,20 @@ absl::StatusOr<std::vector<int64_t>> WriteShares(const JobSpec& spec, const JobL
   return sizes;
 }
 
-}  // namespace
-
-absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::string& dir,
-                                       const PrepareOptions& options) {
+// The preparation's work, wherever it runs; `spec` is already checked.
+absl::StatusOr<PreparedJob> PrepareHere(const JobSpec& spec, const std::string& dir, const Phase& phase) {
   PreparedJob out;
-  out.spec = submitted;
-  const JobSpec& spec = out.spec;
-  PIPPY_RETURN_IF_ERROR(job::CheckSpec(&out.spec));
+  out.spec = spec;
   torch::jit::setGraphExecutorOptimize(false);
   const absl::Time start = absl::Now();
-  PIPPY_ASSIGN_OR_RETURN(torch::jit::Module model, LoadChecked(dir, options));
+  phase("load");
+  PIPPY_ASSIGN_OR_RETURN(torch::jit::Module model, LoadSubmitted(dir));
   const absl::Time loaded_at = absl::Now();
   std::vector<c10::IValue> example;
-  PIPPY_ASSIGN_OR_RETURN(stage::DataSource data, CheckedData(spec, dir, model, &example));
+  PIPPY_ASSIGN_OR_RETURN(stage::DataSource data, CheckedData(spec, dir, model, phase, &example));
   const absl::Time checked_at = absl::Now();
   // Split once; the stages share the model's tensors (they are only written out).
+  phase("split");
   partition::SplitOptions so;
   so.num_stages = spec.split().stages();
   so.split_at.assign(spec.split().split_at().begin(), spec.split().split_at().end());
@@ -204,15 +205,168 @@ absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::stri
   out.plan = pipe->plan;
   PIPPY_ASSIGN_OR_RETURN(out.layout, job::MakeLayout(spec, out.plan));
   const absl::Time split_at = absl::Now();
-  out.stages = std::make_shared<StagesInMemory>(model, std::move(pipe->stages));
+  phase("write");
+  PIPPY_ASSIGN_OR_RETURN(out.stage_bytes, WriteStageFiles(pipe->stages, dir));
   PIPPY_ASSIGN_OR_RETURN(out.share_bytes, WriteShares(spec, out.layout, data, dir));
-  log::Info("prepared a submission in {}: model loaded in {}, data checked in {}, split into {} stages in {}, {} "
-            "data shares written in {}",
+  log::Info("prepared a submission in {}: model loaded in {}, data checked in {}, split into {} stages in {}, stage "
+            "files and {} data shares written in {}",
             absl::FormatDuration(absl::Now() - start), absl::FormatDuration(loaded_at - start),
             absl::FormatDuration(checked_at - loaded_at), out.plan.stages_size(),
             absl::FormatDuration(split_at - checked_at), out.share_bytes.size(),
             absl::FormatDuration(absl::Now() - split_at));
   return out;
+}
+
+constexpr char kSpecFile[] = "/job_spec.pb";
+constexpr char kPlanFile[] = "/plan.pb";
+constexpr char kLayoutFile[] = "/layout.pb";
+
+absl::Status WriteMessage(const google::protobuf::Message& m, const std::string& path) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  if (!f || !m.SerializeToOstream(&f)) return absl::UnavailableError(absl::StrCat("cannot write '", path, "'"));
+  f.close();
+  if (!f) return absl::UnavailableError(absl::StrCat("cannot write '", path, "'"));
+  return absl::OkStatus();
+}
+
+absl::Status ReadMessage(const std::string& path, google::protobuf::Message* m) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f || !m->ParseFromIstream(&f)) {
+    return absl::InternalError(absl::StrCat("the preparation process left no readable '", path, "'"));
+  }
+  return absl::OkStatus();
+}
+
+// What each phase is, in messages about a child that crashed or ran out of time in it.
+struct PhaseWords {
+  const char* field;
+  const char* doing;
+  const char* crash_hint;
+};
+PhaseWords WordsFor(const std::string& phase) {
+  if (phase == "data") {
+    return {"data", "reading the data file", "the file is corrupt or was not written by torch.save"};
+  }
+  if (phase == "probe") {
+    return {"model", "running its forward on one micro-batch of the data",
+            "the model's code crashed LibTorch; run it once in PyTorch on the same inputs"};
+  }
+  if (phase == "split") {
+    return {"split", "splitting the model (each stage's forward runs on one micro-batch)",
+            "the model's code crashed LibTorch; run it once in PyTorch on the same inputs"};
+  }
+  if (phase == "write") return {"split", "writing the stage files", "report it with the coordinator's log"};
+  return {"model", "loading the model",
+          "the file is corrupt or was not written by torch.jit.save; save the model with "
+          "torch.jit.script(model).save(path)"};
+}
+
+// The child's ending as the submission's error (OK: it finished).
+absl::Status ChildStatus(const ChildResult& r, const std::string& dir) {
+  using Ending = ChildResult::Ending;
+  const PhaseWords w = WordsFor(r.phase);
+  switch (r.ending) {
+    case Ending::kNotStarted:
+      return absl::UnavailableError(absl::StrCat("preparing the submission: ", r.start_error));
+    case Ending::kCancelled:
+      return absl::UnavailableError("the coordinator is stopping; submit again once it is back");
+    case Ending::kPhaseTimedOut:
+      return Bad(w.field, absl::StrCat(w.doing, " did not finish within ", absl::FormatDuration(r.limit),
+                                       " (--probe-timeout-s): a forward that does not return cannot run in a "
+                                       "pipeline; check the model in PyTorch on the same inputs"));
+    case Ending::kTimedOut:
+      return Bad(w.field, absl::StrCat(w.doing, " did not finish within ", absl::FormatDuration(r.limit),
+                                       " (--prepare-timeout-s: a corrupt file, or one too large for this "
+                                       "coordinator)"));
+    case Ending::kSignalled: {
+      const int sig = r.signal;
+      if (sig == SIGKILL) {
+        return Bad(w.field, absl::StrCat("the preparation process was killed (SIGKILL) ", w.doing,
+                                         ": the host ran out of memory? (", HeapCapText(dir), ")"));
+      }
+      log::Warn("preparing {}: LibTorch crashed with signal {} ({}) {}", dir, sig, strsignal(sig), w.doing);
+      return Bad(w.field, absl::StrCat("LibTorch crashed (signal ", sig, ", ", strsignal(sig), ") ", w.doing, ": ",
+                                       w.crash_hint));
+    }
+    case Ending::kExited:
+      if (r.exit_code == 0) return absl::OkStatus();
+      if (r.has_error) return r.error;
+      return absl::UnavailableError(absl::StrCat("the preparation process exited with status ", r.exit_code,
+                                                 " without saying why; is the preparer a pippy-coordinator binary?",
+                                                 r.said.empty() ? "" : absl::StrCat(" It printed: ", r.said)));
+  }
+  return absl::InternalError("unreachable");
+}
+
+absl::StatusOr<PreparedJob> PrepareInChild(const JobSpec& spec, const std::string& dir, const PrepareOptions& options) {
+  PIPPY_RETURN_IF_ERROR(WriteMessage(spec, dir + kSpecFile));
+  ChildSpec child;
+  child.argv = {options.preparer, kPrepareFlag, dir};
+  child.timeout = options.timeout;
+  child.phase_timeouts = {{"probe", options.probe_timeout}, {"split", options.probe_timeout}};
+  child.cancelled = options.cancelled;
+  const absl::Time start = absl::Now();
+  const ChildResult r = RunChild(child);
+  PIPPY_RETURN_IF_ERROR(ChildStatus(r, dir));
+  PreparedJob out;
+  out.spec = spec;
+  out.child_peak_bytes = r.peak_rss_bytes;
+  PIPPY_RETURN_IF_ERROR(ReadMessage(dir + kPlanFile, &out.plan));
+  PIPPY_RETURN_IF_ERROR(ReadMessage(dir + kLayoutFile, &out.layout));
+  for (int s = 0; s < out.plan.stages_size(); ++s) {
+    const int64_t n = ArtifactStore::FileSize(absl::StrCat(dir, "/", ArtifactStore::StageFileName(s)));
+    if (n <= 0) return absl::InternalError(absl::StrCat("the preparation process wrote no stage file ", s));
+    out.stage_bytes.push_back(n);
+  }
+  for (int rank = 0; rank < out.layout.ranks_size(); ++rank) {
+    const int64_t n = ArtifactStore::FileSize(absl::StrCat(dir, "/", ArtifactStore::ShareFileName(rank)));
+    if (n < 0) return absl::InternalError(absl::StrCat("the preparation process wrote no data share for rank ", rank));
+    out.share_bytes.push_back(n);
+  }
+  log::Info("prepared a submission in a child process in {} (its peak resident memory {} MiB)",
+            absl::FormatDuration(absl::Now() - start), r.peak_rss_bytes >> 20);
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::string& dir,
+                                       const PrepareOptions& options) {
+  JobSpec spec = submitted;
+  PIPPY_RETURN_IF_ERROR(job::CheckSpec(&spec));
+  if (ArtifactStore::FileSize(dir + "/model.pt") <= 0) return Bad("model", "empty: send the TorchScript file's bytes");
+  if (options.preparer.empty()) return PrepareHere(spec, dir, [](absl::string_view) {});
+  return PrepareInChild(spec, dir, options);
+}
+
+int RunPreparationChild(const std::string& dir) {
+  log::Init("prepare", log::Level::kOff);
+  EnterChild(HeapCap(dir));
+  JobSpec spec;
+  absl::Status s = ReadMessage(dir + kSpecFile, &spec);
+  std::string phase;
+  auto announce = [&phase](absl::string_view p) {
+    phase = std::string(p);
+    AnnouncePhase(p);
+  };
+  absl::StatusOr<PreparedJob> prepared = s.ok() ? PrepareHere(spec, dir, announce) : s;
+  if (prepared.ok()) s = WriteMessage(prepared->plan, dir + kPlanFile);
+  if (prepared.ok() && s.ok()) s = WriteMessage(prepared->layout, dir + kLayoutFile);
+  if (!prepared.ok()) s = prepared.status();
+  if (!s.ok()) {
+    std::string msg(s.message());
+    if (OutOfMemory(s) && (phase == "load" || phase == "data")) {
+      // Reading a file, not running the model: a pickle that announces more than it holds.
+      absl::StrAppend(&msg, " (the file asks for far more memory than its size: it is corrupt or was not written by "
+                            "PyTorch)");
+    } else if (OutOfMemory(s) && !absl::StrContains(msg, "MiB: 2 GiB")) {
+      absl::StrAppend(&msg, " (", HeapCapText(dir), ")");
+    }
+    ReportError(absl::Status(s.code(), msg));
+    return 3;
+  }
+  ReportPeak();
+  return 0;
 }
 
 }  // namespace pippy::coordinator

@@ -2,63 +2,65 @@
 // spec, load the model, check the data against it (one micro-batch through the model
 // and the loss), split the model, make the job's layout (its schedule validated, each
 // rank's action list, data needs and memory: pipeline/job/layout.h), and write each
-// rank's share of the data into the submission's folder. The split stages stay in
-// memory (PreparedStages) until they are streamed to their workers or written to
-// stage files; nothing later loads the whole model again until the trained stages are
-// put back into it (partition::MergeStagesIntoModel).
+// stage's archive and each rank's share of the data into the submission's folder.
 //
-// Memory: one copy of the model (the stages share its tensors), plus one micro-batch
-// of activations for the example forward pass, plus the data.
+// All of it but the spec check runs in a child process (child_process.h): the
+// coordinator's own process never loads a submitted model, never holds its tensors and
+// never runs its code. The child reads the folder, writes the stage files, the shares
+// and the prepared spec, plan and layout (prepared_spec.pb, plan.pb, layout.pb) beside
+// them, and exits; the coordinator reads those three small files. The child's heap is
+// capped (2 GiB + 4 x the model and data files), the model's forward (the shape probe,
+// the loss check, the split's stage forwards, --balance time) is bounded by
+// `probe_timeout`, the whole child by `timeout`; a crash, a hang, an allocation past the
+// cap fail that submission only. Memory: the child holds one copy of the model (the
+// stages share its tensors), one micro-batch of activations and the data.
 #ifndef PIPPY_COORDINATOR_JOB_PREPARATION_H_
 #define PIPPY_COORDINATOR_JOB_PREPARATION_H_
 
+#include <cstdint>
 #include <functional>
-#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "proto/job.pb.h"
 #include "proto/plan.pb.h"
 
 namespace pippy::coordinator {
 
-// The stages of a prepared job, in memory. Holding it holds the model's tensors.
-// Thread safety: Write and WriteFiles may run on several threads at once.
-class PreparedStages {
- public:
-  virtual ~PreparedStages() = default;
-  virtual int size() const = 0;
-  // Writes stage `stage` as a TorchScript archive (a standalone module, what `pippyctl
-  // split --out` writes) through `sink`, piece by piece. A sink error is returned.
-  virtual absl::Status Write(int stage, const std::function<absl::Status(absl::string_view)>& sink) const = 0;
-  // Writes every stage to `dir`/stage_<s>.pt, several at a time; returns their sizes.
-  // Errors: UNAVAILABLE naming a file that cannot be written.
-  virtual absl::StatusOr<std::vector<int64_t>> WriteFiles(const std::string& dir) const = 0;
-};
-
 struct PreparedJob {
   JobSpec spec;                 // checked, defaults filled in
   PipelinePlan plan;
   JobLayout layout;             // made once here; stored with the job, pieces sent to the ranks
   std::vector<int64_t> share_bytes;  // by rank; the shares are written in the folder
-  std::shared_ptr<const PreparedStages> stages;
+  std::vector<int64_t> stage_bytes;  // by stage; the stage files are written in the folder
+  int64_t child_peak_bytes = 0;      // the preparing child's peak resident memory (0: in-process)
 };
 
-// `dir` holds model.pt and (unless the spec asks for synthetic data) data.pt; the data
-// shares are written beside them (see artifact_store.h for names).
-// Errors: INVALID_ARGUMENT whose message starts with the field (spec fields, "model:",
-// "data:", "split:", "schedule:"); UNAVAILABLE when the folder cannot be written.
 struct PrepareOptions {
-  // A pippy-coordinator binary to load the model in first (model_check.h); empty: the
-  // model is loaded only in this process (tests of the coordinator's logic).
-  std::string model_checker;
-  absl::Duration model_check_timeout = absl::Minutes(5);
+  // A pippy-coordinator binary to prepare in (`BINARY --prepare DIR`); empty: in this
+  // process (the coordinator's unit tests only: pippy-coordinator always uses a child).
+  std::string preparer;
+  absl::Duration timeout = absl::Minutes(5);        // the whole child
+  absl::Duration probe_timeout = absl::Minutes(2);  // the model's forward passes
+  // Polled while the child runs: true stops it (the coordinator is stopping).
+  std::function<bool()> cancelled;
 };
+
+// `dir` holds model.pt and (unless the spec asks for synthetic data) data.pt; the
+// stage files and data shares are written beside them (see artifact_store.h for names).
+// Errors: INVALID_ARGUMENT whose message starts with the field (spec fields, "model:",
+// "data:", "split:", "schedule:"), naming a crash, a deadline or the memory cap where
+// the child met one; UNAVAILABLE when the folder cannot be written, the child cannot be
+// started, or `cancelled` stopped it.
 absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& spec, const std::string& dir,
                                        const PrepareOptions& options = {});
+
+// The child's side: `BINARY --prepare DIR`. Exit 0 with the files written; else the
+// error reported (child_process.h) and exit 3.
+inline constexpr char kPrepareFlag[] = "--prepare";
+int RunPreparationChild(const std::string& dir);
 
 }  // namespace pippy::coordinator
 

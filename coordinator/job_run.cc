@@ -38,10 +38,13 @@ JobRun::JobRun(Stores stores, Job job, JobLayout layout)
 }
 
 JobRun::JobRun(Stores stores, Job job, JobLayout layout, std::vector<int64_t> share_bytes,
-               std::shared_ptr<const PreparedStages> stages)
+               std::vector<int64_t> stage_bytes)
     : JobRun(stores, std::move(job), std::move(layout)) {
   share_bytes_ = std::move(share_bytes);
-  stages_ = std::move(stages);
+  stage_files_ready_ = true;
+  job_.set_state(QUEUED);
+  job_.clear_stage_file_bytes();
+  for (int64_t n : stage_bytes) job_.add_stage_file_bytes(n);
   job_.clear_stage_ranks();
   if (layout_.ranks_size() > 0) {
     for (int r : layout_.ranks(0).stage_to_rank()) job_.add_stage_ranks(r);
@@ -151,19 +154,6 @@ void JobRun::Touch() {
   // The in-memory record stays authoritative; a lost write only costs the record's
   // freshness after a restart, so it is logged, not fatal.
   if (!saved.ok()) log::Warn("job={} record not saved: {}", id(), saved.message());
-}
-
-void JobRun::StageFilesWritten(const std::vector<int64_t>& sizes, bool queue) {
-  stage_files_ready_ = true;
-  if (!queue) return;  // streamed from memory already, with these sizes
-  job_.set_state(QUEUED);
-  SetStageFileBytes(sizes);
-}
-
-void JobRun::SetStageFileBytes(const std::vector<int64_t>& sizes) {
-  job_.clear_stage_file_bytes();
-  for (int64_t n : sizes) job_.add_stage_file_bytes(n);
-  Touch();
 }
 
 StageWriter JobRun::StagesFromFiles(size_t chunk_bytes) const {

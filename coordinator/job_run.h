@@ -3,8 +3,9 @@
 // worker, and its end. The Coordinator (coordinator.h) keeps the registry of workers,
 // the queue and the dispatch, and hands each job's events to its JobRun.
 //
-//   PARTITIONING (stages in memory) -> PLACING -> RUNNING | SERVING -> SUCCEEDED
-//        `-> QUEUED (stages in files) -^        any state -> FAILED | CANCELLED
+//   QUEUED (stage files written) -> PLACING -> RUNNING | SERVING -> SUCCEEDED
+//                                    any state -> FAILED | CANCELLED
+//   (PARTITIONING: records of coordinators before stages were prepared in a child)
 //   a worker lost: PLACING | RUNNING | SERVING -> RECOVERING -> PLACING (attempt + 1),
 //   restarting from the last committed checkpoint.
 //
@@ -36,7 +37,6 @@
 #include "common/device.h"
 #include "coordinator/artifact_store.h"
 #include "coordinator/coordinator_metrics.h"
-#include "coordinator/job_preparation.h"
 #include "coordinator/job_store.h"
 #include "coordinator/rank_sender.h"
 #include "coordinator/serving.h"
@@ -55,11 +55,11 @@ class JobRun {
     ArtifactStore* artifacts = nullptr;
   };
 
-  // An accepted submission: `job` holds its id, user, spec, plan and sizes; it is
-  // PARTITIONING, its stages (`stages`) in memory until they are sent or written out.
+  // An accepted submission: `job` holds its id, user, spec, plan and sizes; its stage
+  // files (of `stage_bytes`) and data shares are written: it is QUEUED.
   // Saves the record and the layout.
   JobRun(Stores stores, Job job, JobLayout layout, std::vector<int64_t> share_bytes,
-         std::shared_ptr<const PreparedStages> stages);
+         std::vector<int64_t> stage_bytes);
 
   // A record found at start-up, with its stored layout: a finished job as it is; a
   // queued one queued again (if its stage files are whole); a placed, running or
@@ -88,12 +88,6 @@ class JobRun {
   void AddEvent(const std::string& message);
 
   // ---- stages out ----
-  // The stages kept in memory since preparation (nullptr once taken).
-  std::shared_ptr<const PreparedStages> TakeStages() { return std::move(stages_); }
-  // Stage files written: their sizes. `queue`: the job waits for workers (QUEUED).
-  void StageFilesWritten(const std::vector<int64_t>& sizes, bool queue);
-  // Each stage's archive size, as streamed or written (Job.stage_file_bytes).
-  void SetStageFileBytes(const std::vector<int64_t>& sizes);
   // Whether Place can read its stages: a checkpoint's, or the original files.
   bool StagesOnDisk() const { return stage_files_ready_ || job_.checkpoint_step() > 0; }
   // Reads the stages a placement sends: the last checkpoint's, or the original files.
@@ -163,7 +157,6 @@ class JobRun {
   JobLayout layout_;
   int64_t version_ = 0;
   std::vector<int64_t> share_bytes_;                   // by rank (every replica reads the same)
-  std::shared_ptr<const PreparedStages> stages_;       // PARTITIONING: the split stages
   bool stage_files_ready_ = false;                     // jobs/<id>/stage_<s>.pt are whole
   // Set when the attempt ends: its file senders stop. Each attempt has its own.
   std::shared_ptr<std::atomic<bool>> stop_ = std::make_shared<std::atomic<bool>>(false);

@@ -69,13 +69,12 @@ class JobRunTest : public ::testing::Test {
     spec->mutable_fault_tolerance()->set_max_restarts(1);
     ASSERT_TRUE(job::CheckSpec(spec).ok());
     *job_.mutable_plan() = TwoStages();
-    job_.set_state(PARTITIONING);
     layout_ = *job::MakeLayout(job_.spec(), job_.plan());
   }
 
   std::unique_ptr<JobRun> Accepted() {
     return std::make_unique<JobRun>(JobRun::Stores{records_.get(), files_.get()}, job_, layout_,
-                                    std::vector<int64_t>{0, 0}, nullptr);
+                                    std::vector<int64_t>{0, 0}, std::vector<int64_t>{100, 200});
   }
 
   std::vector<JobRun::PlacedWorker> Workers() {
@@ -114,6 +113,10 @@ class JobRunTest : public ::testing::Test {
 TEST_F(JobRunTest, Place_SendsEachRankItsPiece_AddressesMakeItRunning_StepsAreAggregated) {
   auto run = Accepted();
   EXPECT_THAT(run->job().stage_ranks(), ElementsAre(0, 1));
+  // Accepted with its stage files written: queued, their sizes in the record.
+  EXPECT_EQ(run->state(), QUEUED);
+  EXPECT_TRUE(run->StagesOnDisk());
+  EXPECT_THAT(run->job().stage_file_bytes(), ElementsAre(100, 200));
   EXPECT_EQ(records_->GetLayout("job-1")->SerializeAsString(), layout_.SerializeAsString());
   std::vector<RankSend> sends = run->Place(Workers());
   ASSERT_EQ(sends.size(), 2u);

@@ -1,6 +1,7 @@
 // pippy-coordinator: parses flags, wires the service logic to gRPC; nothing else.
 #include <chrono>
 #include <csignal>
+#include <cstdlib>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -13,7 +14,8 @@
 #include "common/systemd.h"
 #include "common/tls.h"
 #include "coordinator/grpc_service.h"
-#include "coordinator/model_check.h"
+#include "coordinator/job_preparation.h"
+#include "coordinator/result_assembly.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 
@@ -21,6 +23,7 @@ namespace {
 
 constexpr char kProgram[] = "pippy-coordinator";
 std::unique_ptr<grpc::Server> g_server;
+pippy::coordinator::Coordinator* g_coordinator = nullptr;
 
 // Every flag, as parsed.
 struct Flags {
@@ -31,8 +34,7 @@ struct Flags {
   pippy::tls::ServerFiles tls_files;
   int64_t max_model_mib = 0, max_data_mib = 0;
   int max_streams = 0, max_queued = 0;
-  double model_check_timeout_s = 300;
-  bool no_model_check = false;
+  double prepare_timeout_s = 300, probe_timeout_s = 120;
   int metrics_port = -1;
 };
 
@@ -72,13 +74,15 @@ void AddFlags(CLI::App& app, Flags* f) {
                  "Bearer TOKEN\" (pippyctl --token-file / PIPPY_TOKEN), and a job can be cancelled only by its "
                  "submitter")
       ->check(CLI::ExistingFile);
-  app.add_option("--model-check-timeout-s", f->model_check_timeout_s,
-                 "a submitted model is loaded in a child process first (LibTorch's loader is not hardened "
-                 "against corrupt archives); one that takes longer is refused")
+  app.add_option("--prepare-timeout-s,--model-check-timeout-s", f->prepare_timeout_s,
+                 "a submission is prepared (loaded, checked against its data, split, its stage files written) in a "
+                 "child process, and a trained model merged in one; a child that takes longer is stopped and the "
+                 "submission refused")
       ->check(cli::Positive())->capture_default_str();
-  app.add_flag("--no-model-check-process", f->no_model_check,
-               "load submitted models only in the coordinator's own process (a corrupt archive can then crash "
-               "it; for trusted submitters that want to save the second load)");
+  app.add_option("--probe-timeout-s", f->probe_timeout_s,
+                 "the submitted model's forward on one micro-batch (shape probe, loss check, the split's stage "
+                 "forwards, --balance time) must finish within this, in the preparing child")
+      ->check(cli::Positive())->capture_default_str();
   app.add_option("--metrics-port", f->metrics_port,
                  "serve Prometheus metrics at http://BIND:PORT/metrics (0: any free port, printed in the log)")
       ->check(CLI::Range(0, 65535));
@@ -103,10 +107,12 @@ int Serve(const Flags& f) {
   opts.state_dir = f.state_dir;
   opts.heartbeat_timeout = absl::Seconds(f.heartbeat_timeout_s);
   opts.max_queued_per_user = f.max_queued;
-  if (!f.no_model_check) opts.model_checker = "/proc/self/exe";
-  opts.model_check_timeout = absl::Seconds(f.model_check_timeout_s);
+  opts.child_binary = "/proc/self/exe";
+  opts.prepare_timeout = absl::Seconds(f.prepare_timeout_s);
+  opts.probe_timeout = absl::Seconds(f.probe_timeout_s);
   auto logic = coordinator::Coordinator::Create(opts);
   if (!logic.ok()) return cli::Fail(kProgram, logic.status());
+  g_coordinator = logic->get();
   std::unique_ptr<metrics::Server> metrics_server;
   if (f.metrics_port >= 0) {
     coordinator::Coordinator* c = logic->get();
@@ -155,17 +161,29 @@ int Serve(const Flags& f) {
             f.state_dir);
   systemd::NotifyReady(absl::StrCat("serving on ", f.bind, ":", bound));
   systemd::StartWatchdog();
-  // Workers keep their streams open forever: cancel what is still open after 2 s.
+  // Children preparing or merging are killed at once; workers keep their streams open
+  // forever: what is still open after 0.3 s is cancelled. Should a handler still not
+  // return (it never has), the process exits at 1.8 s: everything it keeps is in
+  // SQLite transactions and files renamed into place.
   auto stop = [](int) {
     std::thread([] {
+      pippy::log::Info("pippy-coordinator stopping (signal)");
       systemd::NotifyStopping();
+      g_coordinator->BeginStop();
       g_server->GetHealthCheckService()->SetServingStatus(false);
-      g_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+      std::thread([] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1800));
+        std::fputs("pippy-coordinator did not stop within 1.8 s of the signal; exiting now\n", stderr);
+        std::_Exit(0);
+      }).detach();
+      g_server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
     }).detach();
   };
   std::signal(SIGTERM, stop);
   std::signal(SIGINT, stop);
   g_server->Wait();
+  g_server.reset();
+  logic->reset();  // its loop and task threads joined
   log::Info("pippy-coordinator stopped");
   return 0;
 }
@@ -174,9 +192,12 @@ int Serve(const Flags& f) {
 
 int main(int argc, char** argv) {
   using namespace pippy;
-  // The child that loads a submitted model first (coordinator/model_check.h).
-  if ((argc == 3 || argc == 4) && std::string(argv[1]) == coordinator::kCheckModelFlag) {
-    return coordinator::RunModelCheck(argv[2], argc == 4 ? argv[3] : "");
+  // The children that prepare a submission and merge a trained model (child_process.h).
+  if (argc == 3 && std::string(argv[1]) == coordinator::kPrepareFlag) {
+    return coordinator::RunPreparationChild(argv[2]);
+  }
+  if (argc == 4 && std::string(argv[1]) == coordinator::kMergeFlag) {
+    return coordinator::RunMergeChild(argv[2], std::atoi(argv[3]));
   }
   CLI::App app("Splits submitted TorchScript models into pipeline stages, places them on pippy-worker "
                "daemons and follows the jobs (docs/api.md).",

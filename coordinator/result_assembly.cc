@@ -1,13 +1,64 @@
 #include "coordinator/result_assembly.h"
 
+#include <csignal>
+#include <cstring>
 #include <map>
 
+#include "absl/strings/str_cat.h"
+#include "common/log.h"
+#include "coordinator/child_process.h"
 #include "pipeline/partition/merge.h"
 
 namespace pippy::coordinator {
+namespace {
+
+constexpr uint64_t kHeapBase = uint64_t{2} << 30;
+constexpr uint64_t kHeapFactor = 4;
+
+// Paths as the files are named in a job's folder (artifact_store.h).
+std::string ModelIn(const std::string& dir) { return dir + "/model.pt"; }
+std::string ResultIn(const std::string& dir, int stage) { return absl::StrCat(dir, "/result_", stage, ".pt"); }
+std::string AssembledIn(const std::string& dir) { return dir + "/assembled.pt"; }
+
+absl::Status MergeHere(const std::string& dir, int stages) {
+  std::map<int, std::string> results;
+  for (int st = 0; st < stages; ++st) results[st] = ResultIn(dir, st);
+  return partition::MergeStagesIntoModel(ModelIn(dir), results, AssembledIn(dir));
+}
+
+absl::Status MergeInChild(const std::string& dir, int stages, const AssembleOptions& options) {
+  using Ending = ChildResult::Ending;
+  ChildSpec spec;
+  spec.argv = {options.merger, kMergeFlag, dir, absl::StrCat(stages)};
+  spec.timeout = options.timeout;
+  spec.cancelled = options.cancelled;
+  const ChildResult r = RunChild(spec);
+  switch (r.ending) {
+    case Ending::kNotStarted:
+      return absl::UnavailableError(absl::StrCat("merging the trained stages: ", r.start_error));
+    case Ending::kCancelled:
+      return absl::UnavailableError("the coordinator stopped while merging the trained stages");
+    case Ending::kTimedOut:
+    case Ending::kPhaseTimedOut:
+      return absl::InvalidArgumentError(absl::StrCat("merging the trained stages did not finish within ",
+                                                     absl::FormatDuration(r.limit), " (--prepare-timeout-s)"));
+    case Ending::kSignalled:
+      return absl::InvalidArgumentError(absl::StrCat("LibTorch crashed (signal ", r.signal, ", ", strsignal(r.signal),
+                                                     ") merging the trained stages: a stage file a worker sent is "
+                                                     "corrupt"));
+    case Ending::kExited:
+      if (r.exit_code == 0) return absl::OkStatus();
+      if (r.has_error) return r.error;
+      return absl::UnavailableError(absl::StrCat("the merging process exited with status ", r.exit_code,
+                                                 " without saying why; is the merger a pippy-coordinator binary?"));
+  }
+  return absl::InternalError("unreachable");
+}
+
+}  // namespace
 
 absl::StatusOr<std::string> AssembleResult(ArtifactStore& files, const std::string& job_id, bool inference,
-                                           int stages) {
+                                           int stages, const AssembleOptions& options) {
   if (!files.ResultsComplete(job_id, inference ? -1 : stages)) {
     return absl::DataLossError(inference ? "the last rank finished without sending all of its outputs; submit the "
                                            "job again"
@@ -15,12 +66,27 @@ absl::StatusOr<std::string> AssembleResult(ArtifactStore& files, const std::stri
                                            "job again");
   }
   if (inference) return files.OutputsPath(job_id);
-  std::map<int, std::string> results;
-  for (int st = 0; st < stages; ++st) results[st] = files.ResultPath(job_id, st);
-  const std::string assembled = files.JobDir(job_id) + "/assembled.pt";
-  absl::Status merged = partition::MergeStagesIntoModel(files.ModelPath(job_id), results, assembled);
+  const std::string dir = files.JobDir(job_id);
+  absl::Status merged = options.merger.empty() ? MergeHere(dir, stages) : MergeInChild(dir, stages, options);
   if (!merged.ok()) return merged;
-  return assembled;
+  return AssembledIn(dir);
+}
+
+int RunMergeChild(const std::string& dir, int stages) {
+  log::Init("merge", log::Level::kOff);
+  uint64_t bytes = static_cast<uint64_t>(std::max<int64_t>(0, ArtifactStore::FileSize(ModelIn(dir))));
+  for (int st = 0; st < stages; ++st) {
+    bytes += static_cast<uint64_t>(std::max<int64_t>(0, ArtifactStore::FileSize(ResultIn(dir, st))));
+  }
+  EnterChild(kHeapBase + kHeapFactor * bytes);
+  AnnouncePhase("merge");
+  absl::Status s = stages > 0 ? MergeHere(dir, stages) : absl::InvalidArgumentError("merge: no stages");
+  if (!s.ok()) {
+    ReportError(s);
+    return 3;
+  }
+  ReportPeak();
+  return 0;
 }
 
 }  // namespace pippy::coordinator

@@ -3,23 +3,41 @@
 // original module structure (partition::MergeStagesIntoModel), or an inference job's
 // outputs as the last rank sent them. The caller publishes the file (FetchModel).
 //
-// Memory: a training job's merge loads the submitted model (the coordinator's one
-// model slot must be held) plus one stage at a time.
+// The merge loads the submitted model and the archives the workers sent: it runs in a
+// child process (`BINARY --merge DIR STAGES`, child_process.h) with a deadline and the
+// preparation's heap cap, so the coordinator's own process never holds the model and a
+// corrupt archive from a worker fails that job only. Memory (the child's): the model
+// plus its largest stage.
 #ifndef PIPPY_COORDINATOR_RESULT_ASSEMBLY_H_
 #define PIPPY_COORDINATOR_RESULT_ASSEMBLY_H_
 
+#include <functional>
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "coordinator/artifact_store.h"
 
 namespace pippy::coordinator {
 
+struct AssembleOptions {
+  std::string merger;  // a pippy-coordinator binary; empty: in this process (unit tests only)
+  absl::Duration timeout = absl::Minutes(5);
+  std::function<bool()> cancelled;  // polled while the child runs: true stops it
+};
+
 // The path of the assembled result of job `job_id` (with `stages` stages).
 // Errors: DATA_LOSS when a rank finished without sending all of its results; the
-// merge's errors.
+// merge's errors (INVALID_ARGUMENT for a stage file that does not fit the model, or a
+// child that crashed or ran out of time); UNAVAILABLE when the child cannot be started
+// or was stopped.
 absl::StatusOr<std::string> AssembleResult(ArtifactStore& files, const std::string& job_id, bool inference,
-                                           int stages);
+                                           int stages, const AssembleOptions& options = {});
+
+// The child's side: `BINARY --merge DIR STAGES` merges DIR/result_<s>.pt into DIR/model.pt,
+// writing DIR/assembled.pt. Exit 0, or the error reported and exit 3.
+inline constexpr char kMergeFlag[] = "--merge";
+int RunMergeChild(const std::string& dir, int stages);
 
 }  // namespace pippy::coordinator
 

@@ -1,5 +1,5 @@
 // Running part of a fuzz input in a fork, as the coordinator runs LibTorch's loaders in a
-// child process (coordinator/model_check.h): LibTorch crashes on some corrupt archives
+// child process (coordinator/job_preparation.h): LibTorch crashes on some corrupt archives
 // and pickles, and sizes allocations by what a pickle announces. What happens in the
 // child is absorbed, as the coordinator absorbs it; the fuzz target then runs pippy's
 // own code in-process only on inputs that a child got through.

@@ -1,6 +1,6 @@
 // Fuzz target: the model loader and the partitioner on mutated TorchScript archives
 // (what SubmitJob and pippyctl split receive as model.pt). As the coordinator does
-// (coordinator/model_check.h), each input is first loaded in a child process: LibTorch's
+// (coordinator/job_preparation.h), each input is first loaded in a child process: LibTorch's
 // deserializer and TorchScript compiler crash on some corrupt archives (a stack overflow
 // in the parser on deep nesting, a bad pointer in the type parser), which is LibTorch's
 // to fix and the child's to absorb. What a child survives is loaded here, where any bytes

@@ -6,7 +6,7 @@
 // type parser that can crash on a malformed one, and a value nested a few hundred
 // thousand levels deep (or a list that holds itself) is later destroyed, printed or
 // walked by recursion that overflows the stack. Data files are loaded in a child
-// process first (coordinator/model_check.h); serving requests come too often for that,
+// process first (coordinator/job_preparation.h); serving requests come too often for that,
 // so their pickles are walked here first, opcode by opcode, without allocating what
 // they announce: lengths must lie within the bytes that follow, only the globals that
 // torch.save writes for tensors and containers may be named, nesting is bounded, and

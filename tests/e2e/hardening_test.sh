@@ -15,7 +15,7 @@ rm -rf "$TMP" && mkdir -p "$TMP"
 source "$PWD/tests/e2e/testlib.sh"
 
 "$COORD" --bind 127.0.0.1 --port 0 --port-file "$TMP/port" --state-dir "$TMP/state" --max-data-mib 1 \
-  --max-concurrent-streams 1 --model-check-timeout-s 60 > "$TMP/coordinator.log" 2>&1 &
+  --max-concurrent-streams 1 --prepare-timeout-s 60 > "$TMP/coordinator.log" 2>&1 &
 coord=$!
 pids+=($coord)
 for _ in $(seq 100); do [ -s "$TMP/port" ] && break; sleep 0.1; done
@@ -54,7 +54,7 @@ PY
 
 # 1. An archive whose TorchScript code nests 300,000 parentheses: LibTorch's parser
 #    overflows its stack (SIGSEGV, every time; the coordinator died of it before
-#    model_check.h).
+#    its model check ran in a child).
 ctl submit "$CORPUS/crash-deep-nesting-stack-overflow" --data "$ZOO/mlp.data.pt" "${SPEC[@]}" > "$TMP/segv.out" 2>&1
 rc=$?
 code=$(code_of "$CORPUS/crash-deep-nesting-stack-overflow" "$ZOO/mlp.data.pt")

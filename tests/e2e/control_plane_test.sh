@@ -1,0 +1,148 @@
+#!/bin/bash
+# The coordinator as a control plane, with real processes: it never loads a submitted
+# model nor runs its code in its own process (a preparing child does, with deadlines
+# and a heap cap). A model whose forward never returns is refused by --probe-timeout-s,
+# one whose forward allocates without bound by the child's heap cap, while health stays
+# SERVING and the coordinator answers; a normal job submitted after them trains and is
+# fetched; the coordinator's own peak memory stays below a 384 MiB model it trained;
+# SIGTERM during a hanging preparation stops the coordinator and its child within 2 s.
+set -u
+PIPPYCTL="$PWD/client/pippyctl"
+COORD="$PWD/coordinator/pippy-coordinator"
+WORKER="$PWD/worker/pippy-worker"
+ZOO="$PWD/examples/models/zoo"
+TMP="${TEST_TMPDIR:-$(mktemp -d)}/control_plane"
+rm -rf "$TMP" && mkdir -p "$TMP"
+source "$PWD/tests/e2e/testlib.sh"
+
+# (torch.jit.script reads the classes' source: a file, not stdin)
+cat > "$TMP/make_models.py" <<'PY'
+import sys, torch
+from typing import List
+tmp = sys.argv[1]
+class Hang(torch.nn.Module):  # a forward that never returns
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+    def forward(self, x):
+        y = self.a(x)
+        while bool(y.sum() > -1e30):
+            y = y * 1.0
+        return self.b(y)
+class Hog(torch.nn.Module):  # a forward that allocates 512 MiB after 512 MiB, kept
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+    def forward(self, x):
+        held: List[torch.Tensor] = []
+        y = self.a(x)
+        for i in range(100000):
+            held.append(torch.ones(1 << 27))
+            y = y + held[-1][i]
+        return self.b(y) + float(len(held))
+torch.jit.script(Hang()).save(f"{tmp}/hang.pt")
+torch.jit.script(Hog()).save(f"{tmp}/hog.pt")
+torch.save({"inputs": torch.randn(64, 16), "targets": torch.randn(64, 16)}, f"{tmp}/small.data.pt")
+# 6 x Linear(4096): 384 MiB of parameters.
+torch.manual_seed(0)
+big = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(6)])
+torch.jit.script(big).save(f"{tmp}/big.pt")
+torch.save({"inputs": torch.randn(8, 4096), "targets": torch.randn(8, 4096)}, f"{tmp}/big.data.pt")
+PY
+/usr/bin/python3 "$TMP/make_models.py" "$TMP"
+[ -s "$TMP/big.pt" ] || { bad "the test's models were not made"; finish; exit 1; }
+
+start_coordinator 0 --probe-timeout-s 3 --prepare-timeout-s 120
+ctl() { "$PIPPYCTL" --coordinator "$ADDR" "$@"; }
+SPEC=(--stages 2 --schedule 1f1b --microbatches 2 --batch-size 8 --steps 2 --loss mse --optimizer sgd)
+for i in 0 1; do
+  "$WORKER" --coordinator "$ADDR" --name "w$i" --ucx-tls sm,self --wait-timeout-s 60 > "$TMP/w$i.log" 2>&1 &
+  pids+=($!)
+done
+wait_idle 2 && ok "2 workers registered" || bad "2 workers registered: $(idle_workers) idle"
+
+# 1. A forward that never returns: refused by the probe deadline. While its child runs,
+#    the coordinator answers health and ListJobs.
+ctl submit "$TMP/hang.pt" --data "$TMP/small.data.pt" "${SPEC[@]}" > "$TMP/hang.out" 2>&1 &
+submit=$!
+child=""
+for _ in $(seq 100); do
+  child=$(pgrep -P "$coord_pid" -f -- "--prepare" | head -1)
+  [ -n "$child" ] && break
+  sleep 0.05
+done
+during=$( [ -n "$child" ] && ctl health 2>&1 && ctl list > /dev/null 2>&1 && echo answered)
+wait "$submit"
+rc=$?
+if [ -n "$child" ] && echo "$during" | grep -q "SERVING" && echo "$during" | grep -q answered && [ "$rc" = 2 ] &&
+   grep -q "model: running its forward on one micro-batch of the data did not finish within 3s (--probe-timeout-s)" "$TMP/hang.out" &&
+   ! kill -0 "$child" 2>/dev/null; then
+  ok "a forward that never returns is refused, its child gone; meanwhile health said $(echo "$during" | head -1): $(cut -c1-110 "$TMP/hang.out")"
+else
+  bad "hanging forward: child '${child}', during '${during}', exit $rc ($(cat "$TMP/hang.out"))"
+fi
+
+# 2. A forward that allocates without bound: refused by the child's heap cap (the
+#    coordinator restarted with a probe deadline long enough to reach it).
+kill "$coord_pid"; wait "$coord_pid" 2>/dev/null
+start_coordinator "$PORT" --probe-timeout-s 120 --prepare-timeout-s 120
+wait_idle 2 || bad "the workers came back after the coordinator's restart: $(idle_workers) idle"
+ctl submit "$TMP/hog.pt" --data "$TMP/small.data.pt" "${SPEC[@]}" > "$TMP/hog.out" 2>&1
+rc=$?
+if [ "$rc" = 2 ] && grep -q "model: its forward ran out of memory on one micro-batch of the data (the preparation may use" "$TMP/hog.out" &&
+   ctl health > /dev/null 2>&1; then
+  ok "a forward that allocates without bound is refused: $(head -1 "$TMP/hog.out" | cut -c1-150)"
+else
+  bad "allocating forward: exit $rc ($(head -3 "$TMP/hog.out"))"
+fi
+
+# 3. A normal job after them trains and is fetched; then a 384 MiB model, whose
+#    preparation and merge run in children: the coordinator's peak stays below it.
+if ctl submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" "${SPEC[@]}" --wait > "$TMP/mlp.out" 2> "$TMP/mlp.err"; then
+  ok "a normal job submitted after them trains: $(head -1 "$TMP/mlp.out")"
+else
+  bad "normal job after the hostile ones: $(cat "$TMP/mlp.err")"
+fi
+id=$(ctl submit "$TMP/big.pt" --data "$TMP/big.data.pt" --stages 2 --schedule gpipe --microbatches 2 --batch-size 8 --steps 1 --loss mse --optimizer sgd --wait > "$TMP/big.out" 2> "$TMP/big.err"; head -1 "$TMP/big.out")
+ctl fetch "$id" -o "$TMP/big.trained.pt" > /dev/null 2>> "$TMP/big.err"
+model_kb=$(( $(stat -c %s "$TMP/big.pt") / 1024 ))
+peak_kb=$(awk '/VmHWM/{print $2}' "/proc/$coord_pid/status")
+fetched=$(/usr/bin/python3 -c "import torch; m = torch.jit.load('$TMP/big.trained.pt'); print(sum(p.numel() for p in m.parameters()))" 2>&1)
+if [ -n "$id" ] && [ "$fetched" = "$((6 * (4096 * 4096 + 4096)))" ] && [ "${peak_kb:-0}" -gt 0 ] &&
+   [ "$peak_kb" -lt $((model_kb * 3 / 4)) ]; then
+  ok "a $((model_kb / 1024)) MiB model trained and fetched; the coordinator's peak resident memory $((peak_kb / 1024)) MiB"
+else
+  bad "large model: job '$id', fetched '$fetched' parameters, coordinator peak ${peak_kb:-?} kB vs model ${model_kb} kB ($(cat "$TMP/big.err"))"
+fi
+grep -q "prepared a submission in a child process" "$TMP/coordinator.log" &&
+  ok "the log names the child's peak: $(grep -o "prepared a submission in a child process.*" "$TMP/coordinator.log" | tail -1)" ||
+  bad "no child preparation in the coordinator's log"
+
+# 4. SIGTERM while a child prepares a hanging model: the coordinator and the child stop
+#    within 2 s (a zombie counts as stopped: the test's shell reaps it after).
+kill "$coord_pid"; wait "$coord_pid" 2>/dev/null
+start_coordinator "$PORT" --probe-timeout-s 120
+ctl submit "$TMP/hang.pt" --data "$TMP/small.data.pt" "${SPEC[@]}" > "$TMP/hang2.out" 2>&1 &
+submit=$!
+child=""
+for _ in $(seq 200); do
+  child=$(pgrep -P "$coord_pid" -f -- "--prepare" | head -1)
+  [ -n "$child" ] && break
+  sleep 0.05
+done
+sleep 1  # into the forward
+gone() { [ ! -e "/proc/$1" ] || grep -q "^State:.*Z" "/proc/$1/status" 2>/dev/null; }
+kill -TERM "$coord_pid"
+stopped=""
+for i in $(seq 40); do
+  if gone "$coord_pid" && gone "$child"; then stopped=$((i * 50)); break; fi
+  sleep 0.05
+done
+wait "$submit"
+rc=$?
+if [ -n "$child" ] && [ -n "$stopped" ] && [ "$rc" != 0 ]; then
+  ok "SIGTERM during a hanging preparation: coordinator and child stopped within ${stopped} ms; pippyctl: $(cut -c1-100 "$TMP/hang2.out")"
+else
+  bad "SIGTERM: child '$child', stopped '${stopped}', submit exit $rc ($(cat "$TMP/hang2.out")); $(tail -3 "$TMP/coordinator.log")"
+fi
+finish
