@@ -619,24 +619,66 @@ int RunInfer(const std::string& job, const std::string& input, const std::string
 
 // ---- list, workers, status, cancel, watch, fetch --------------------------------
 
-int RunList(const GlobalFlags& g) {
+struct ListArgs {
+  int limit = 0;  // 0: every job
+  std::vector<std::string> states;
+  std::string user;
+  bool newest_first = false;
+};
+
+int RunList(const ListArgs& a, const GlobalFlags& g) {
+  ListJobsRequest req;
+  for (const std::string& name : a.states) {
+    JobState st;
+    if (!JobState_Parse(absl::AsciiStrToUpper(name), &st) || st == JOB_STATE_UNSPECIFIED) {
+      return Fail(kProgram, absl::InvalidArgumentError(absl::StrCat(
+                                "--state: '", name, "' is not a job state (queued, placing, running, serving, "
+                                "recovering, succeeded, failed, cancelled)")));
+    }
+    req.add_states(st);
+  }
+  req.set_user(a.user);
+  if (a.newest_first) req.set_order_by("create_time desc");
+  auto stub = Connect(g);
+  ListJobsResponse all;
+  // Page by page (the coordinator sends at most 1000 at a time) until --limit.
+  do {
+    grpc::ClientContext ctx;
+    Authorize(&ctx, g);
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    const int want = a.limit > 0 ? a.limit - all.jobs_size() : 1000;
+    req.set_page_size(std::min(want, 1000));
+    ListJobsResponse page;
+    grpc::Status s = stub->ListJobs(&ctx, req, &page);
+    if (!s.ok()) return Fail(kProgram, FromGrpc(s, g.coordinator));
+    for (Job& j : *page.mutable_jobs()) *all.add_jobs() = std::move(j);
+    req.set_page_token(page.next_page_token());
+  } while (!req.page_token().empty() && (a.limit == 0 || all.jobs_size() < a.limit));
+  if (g.output == "json") {
+    std::cout << Json(all) << "\n";
+    return kExitOk;
+  }
+  Table t({"job", "name", "user", "state", "schedule", "stages", "step", "loss", "reason"});
+  for (const Job& j : all.jobs()) {
+    t.AddRow({j.job_id(), j.spec().name(), j.user().empty() ? "-" : j.user(), JobState_Name(j.state()),
+              job::ScheduleName(j.spec().schedule().kind()), absl::StrCat(j.num_stages()),
+              absl::StrCat(j.step(), "/", j.spec().steps()),
+              j.has_last_loss() ? absl::StrFormat("%.4f", j.last_loss()) : "-", j.reason()});
+  }
+  std::cout << t.Render();
+  return kExitOk;
+}
+
+int RunDelete(const std::string& job_id, const GlobalFlags& g) {
   auto stub = Connect(g);
   grpc::ClientContext ctx;
   Authorize(&ctx, g);
-  ListJobsResponse r;
-  grpc::Status s = stub->ListJobs(&ctx, ListJobsRequest(), &r);
+  DeleteJobRequest r;
+  r.set_job_id(job_id);
+  DeleteJobResponse resp;
+  grpc::Status s = stub->DeleteJob(&ctx, r, &resp);
   if (!s.ok()) return Fail(kProgram, FromGrpc(s, g.coordinator));
-  if (g.output == "json") {
-    std::cout << Json(r) << "\n";
-    return kExitOk;
-  }
-  Table t({"job", "name", "state", "schedule", "stages", "step", "loss", "reason"});
-  for (const Job& j : r.jobs()) {
-    t.AddRow({j.job_id(), j.spec().name(), JobState_Name(j.state()), job::ScheduleName(j.spec().schedule().kind()),
-              absl::StrCat(j.plan().stages_size()), absl::StrCat(j.step(), "/", j.spec().steps()),
-              j.losses_size() ? absl::StrFormat("%.4f", j.losses(j.losses_size() - 1)) : "-", j.reason()});
-  }
-  std::cout << t.Render();
+  if (g.output != "json") std::cout << "deleted " << job_id << "\n";
   return kExitOk;
 }
 
@@ -868,9 +910,15 @@ void AddRemoteCommands(CLI::App& root, const GlobalFlags& globals, int* exit_cod
   infer_cmd->callback([g, infer, exit_code] {
     *exit_code = RunInfer(std::get<0>(*infer), std::get<1>(*infer), std::get<2>(*infer), std::get<3>(*infer), *g);
   });
-  CLI::App* list = root.add_subcommand("list", "Jobs and their states, oldest first");
+  auto list_args = std::make_shared<ListArgs>();
+  CLI::App* list = root.add_subcommand("list", "Jobs and their states, oldest first (summaries: pippyctl status JOB has the rest)");
   list->fallthrough();
-  list->callback([g, exit_code] { *exit_code = RunList(*g); });
+  list->add_option("--limit", list_args->limit, "at most this many jobs (0: all)")
+      ->check(cli::NonNegative())->capture_default_str();
+  list->add_option("--state", list_args->states, "only jobs in this state (repeat for several): queued, running, ...");
+  list->add_option("--user", list_args->user, "only jobs this user submitted");
+  list->add_flag("--newest-first", list_args->newest_first, "the newest jobs first (with --limit: the last N)");
+  list->callback([g, list_args, exit_code] { *exit_code = RunList(*list_args, *g); });
   auto health = std::make_shared<std::tuple<std::string, std::string, double>>("", "", 5.0);
   CLI::App* health_cmd = root.add_subcommand(
       "health", "grpc.health.v1 check of a daemon (the coordinator, or a worker's --health-port): exit 0 when SERVING");
@@ -899,6 +947,9 @@ void AddRemoteCommands(CLI::App& root, const GlobalFlags& globals, int* exit_cod
   with_job("cancel",
            "Stop a job: it ends CANCELLED at once; its workers stop their step in progress and are free again")
       ->callback([g, job_id, exit_code] { *exit_code = RunStatusOrCancel(*job_id, /*cancel=*/true, *g); });
+  with_job("delete",
+           "Delete an ended job: its record, its files and its trained model (cancel a running job first)")
+      ->callback([g, job_id, exit_code] { *exit_code = RunDelete(*job_id, *g); });
   with_job("watch", "A live progress bar until the job ends (exit 0 only if it SUCCEEDED)")
       ->callback([g, job_id, exit_code] { *exit_code = RunWatch(*job_id, *g); });
   auto out = std::make_shared<std::string>();

@@ -233,6 +233,12 @@ void ArtifactStore::RemoveCheckpoints(const std::string& job_id, const std::func
   }
 }
 
+void ArtifactStore::RemoveAllOf(const std::string& job_id) {
+  RemoveJobFiles(job_id);
+  std::error_code ec;
+  fs::remove(FetchPath(job_id), ec);
+}
+
 void ArtifactStore::RemoveJobFiles(const std::string& job_id) {
   {
     absl::MutexLock lock(&mu_);

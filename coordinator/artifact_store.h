@@ -125,6 +125,8 @@ class ArtifactStore {
 
   // Removes the job's folder (its inputs and results); what FetchModel serves stays.
   void RemoveJobFiles(const std::string& job_id);
+  // Removes the job's folder and what FetchModel serves for it (the job is deleted).
+  void RemoveAllOf(const std::string& job_id);
 
   // Reads `path` in pieces of at most `chunk_bytes` and hands each to `sink`; the
   // sink's first error stops the reading and is returned.

@@ -14,6 +14,15 @@
 #include "proto/job_state.h"
 
 namespace pippy::coordinator {
+namespace {
+
+// N of "job-N" (every id this coordinator gives); 0 for anything else.
+int64_t JobNumber(const std::string& job_id) {
+  int64_t n = 0;
+  return sscanf(job_id.c_str(), "job-%ld", &n) == 1 ? n : 0;
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(const Options& options) {
   std::unique_ptr<Coordinator> c(new Coordinator(options));
@@ -34,8 +43,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(const Options& 
 
 void Coordinator::RestoreJobs() {
   for (const Job& record : store_->List()) {
-    int64_t n = 0;
-    if (sscanf(record.job_id().c_str(), "job-%ld", &n) == 1) next_job_ = std::max(next_job_, n + 1);
+    next_job_ = std::max(next_job_, JobNumber(record.job_id()) + 1);
     JobRun::Restored restored = JobRun::Restored::kEnded;
     std::unique_ptr<JobRun> run = JobRun::Restore({store_.get(), artifacts_.get()}, record,
                                                   IsTerminal(record.state()) ? absl::StatusOr<JobLayout>(JobLayout())
@@ -43,7 +51,7 @@ void Coordinator::RestoreJobs() {
                                                   &restored);
     if (restored == JobRun::Restored::kQueued) queue_.push_back(record.job_id());
     if (restored == JobRun::Restored::kRecovering) queue_.insert(queue_.begin(), record.job_id());
-    jobs_[record.job_id()] = std::move(run);
+    AddJob(std::move(run));
   }
 }
 
@@ -60,6 +68,65 @@ Coordinator::~Coordinator() {
 JobRun* Coordinator::Find(const std::string& job_id) {
   auto it = jobs_.find(job_id);
   return it == jobs_.end() ? nullptr : it->second.get();
+}
+
+void Coordinator::AddJob(std::unique_ptr<JobRun> run) {
+  const std::string id = run->id();
+  by_number_[JobNumber(id)] = run.get();
+  jobs_[id] = std::move(run);
+}
+
+void Coordinator::ForgetJob(const std::string& job_id) {
+  by_number_.erase(JobNumber(job_id));
+  jobs_.erase(job_id);
+  queue_.erase(std::remove(queue_.begin(), queue_.end(), job_id), queue_.end());
+  absl::Status s = store_->Delete(job_id);
+  if (!s.ok()) log::Warn("job={} record not deleted: {}", job_id, s.message());
+}
+
+std::vector<std::string> Coordinator::Retain(absl::Time now) {
+  if (options_.job_retention <= absl::ZeroDuration() && options_.max_finished_jobs <= 0) return {};
+  std::vector<std::pair<int64_t, std::string>> ended;  // (updated ms, id)
+  for (const auto& [id, run] : jobs_) {
+    if (run->ended()) ended.emplace_back(run->job().updated_unix_ms(), id);
+  }
+  std::sort(ended.begin(), ended.end());
+  std::vector<std::string> drop;
+  const int64_t keep_after =
+      options_.job_retention > absl::ZeroDuration() ? absl::ToUnixMillis(now - options_.job_retention) : INT64_MIN;
+  const size_t beyond = options_.max_finished_jobs > 0 && ended.size() > static_cast<size_t>(options_.max_finished_jobs)
+                            ? ended.size() - static_cast<size_t>(options_.max_finished_jobs)
+                            : 0;
+  for (size_t i = 0; i < ended.size(); ++i) {
+    if (i < beyond || ended[i].first < keep_after) drop.push_back(ended[i].second);
+  }
+  for (const std::string& id : drop) ForgetJob(id);
+  if (!drop.empty()) {
+    log::Info("deleted {} ended job(s) by the retention rule (--job-retention-days, --max-finished-jobs): {}",
+              drop.size(), absl::StrJoin(drop, ","));
+  }
+  return drop;
+}
+
+absl::Status Coordinator::DeleteJob(const std::string& job_id, const std::string& user) {
+  {
+    absl::MutexLock lock(&mu_);
+    JobRun* run = Find(job_id);
+    if (run == nullptr) return absl::NotFoundError(absl::StrCat("no job '", job_id, "' (pippyctl list shows them)"));
+    const std::string& owner = run->job().user();
+    if (!user.empty() && !owner.empty() && user != owner) {
+      return absl::PermissionDeniedError(absl::StrCat("job ", job_id, " was submitted by ", owner,
+                                                      "; only they can delete it"));
+    }
+    if (!run->ended()) {
+      return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " is ", JobState_Name(run->state()),
+                                                        "; cancel it first (pippyctl cancel ", job_id, ")"));
+    }
+    ForgetJob(job_id);
+  }
+  artifacts_->RemoveAllOf(job_id);
+  log::Info("job={} deleted{}", job_id, user.empty() ? "" : absl::StrCat(" by ", user));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<Upload>> Coordinator::NewUpload() { return artifacts_->NewUpload(); }
@@ -154,7 +221,7 @@ absl::StatusOr<std::string> Coordinator::SubmitJob(const JobSpec& spec, std::uni
   log::Info("job={} accepted: {} stages on {} workers{}, schedule {}", id, prepared->plan.stages_size(), run->ranks(),
             run->layout().replicas() > 1 ? absl::StrCat(" (", run->layout().replicas(), " replicas)") : "",
             job::ScheduleName(prepared->spec.schedule().kind()));
-  jobs_[id] = std::move(run);
+  AddJob(std::move(run));
   queue_.push_back(id);
   Schedule();  // placed now if enough workers are idle
   return id;
@@ -472,11 +539,16 @@ void Coordinator::Loop() {
   while (true) {
     Outbox out;
     std::vector<std::pair<std::string, std::string>> silent;
+    std::vector<std::string> dropped;
     {
       absl::MutexLock lock(&mu_);
       mu_.AwaitWithTimeout(absl::Condition(&stop_), options_.tick);
       if (stop_) return;
       const absl::Time now = absl::Now();
+      if (now - retained_at_ >= absl::Seconds(1)) {
+        dropped = Retain(now);
+        retained_at_ = now;
+      }
       silent = workers_->Silent(now, options_.heartbeat_timeout);
       Schedule();
       for (auto& [id, run] : jobs_) {
@@ -490,6 +562,7 @@ void Coordinator::Loop() {
       }
     }
     Deliver(&out);
+    for (const std::string& id : dropped) artifacts_->RemoveAllOf(id);
     for (const auto& [id, why] : silent) RemoveWorker(id, why);
   }
 }

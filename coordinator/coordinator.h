@@ -77,6 +77,10 @@ class Coordinator {
     std::string child_binary;
     absl::Duration prepare_timeout = absl::Minutes(5);  // a child, whole
     absl::Duration probe_timeout = absl::Minutes(2);    // the model's forward passes in it
+    // Ended jobs are deleted (record and files) once older than this (0: kept)...
+    absl::Duration job_retention = absl::ZeroDuration();
+    // ... and beyond this many ended jobs, the longest-ended first (0: no limit).
+    int max_finished_jobs = 0;
   };
 
   // Errors: UNAVAILABLE when the state directory cannot be opened.
@@ -99,7 +103,12 @@ class Coordinator {
   absl::StatusOr<std::string> SubmitJob(const JobSpec& spec, std::unique_ptr<Upload> upload,
                                         const std::string& user = "");
   absl::StatusOr<Job> GetJob(const std::string& job_id);
-  std::vector<Job> ListJobs();
+  // A page of job summaries (ListJobsRequest says how it pages and filters).
+  // Errors: INVALID_ARGUMENT naming the request field.
+  absl::StatusOr<ListJobsResponse> ListJobs(const ListJobsRequest& request);
+  // Deletes an ended job: its record and files. Errors: NOT_FOUND; FAILED_PRECONDITION
+  // for a job that has not ended; PERMISSION_DENIED when `user` is not its submitter.
+  absl::Status DeleteJob(const std::string& job_id, const std::string& user = "");
   // Errors: NOT_FOUND; FAILED_PRECONDITION for a job that already ended;
   // PERMISSION_DENIED when `user` is not the job's submitter (both known).
   absl::StatusOr<Job> CancelJob(const std::string& job_id, const std::string& user = "");
@@ -159,6 +168,12 @@ class Coordinator {
   // The job records and layouts found at start-up.
   void RestoreJobs() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   JobRun* Find(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AddJob(std::unique_ptr<JobRun> run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Forgets an ended job (its record too); its files are the caller's to remove, after
+  // the mutex is released (artifacts_->RemoveAllOf).
+  void ForgetJob(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The ended jobs the retention rule drops now (forgotten; their files to remove).
+  std::vector<std::string> Retain(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A rank's address, step report or end, of its job's current attempt.
   void OnRankMessage(WorkerRegistry::Worker& w, const WorkerMessage& m, Outbox* out, std::string* assemble)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -185,6 +200,8 @@ class Coordinator {
   int64_t next_job_ ABSL_GUARDED_BY(mu_) = 1;
   std::unique_ptr<WorkerRegistry> workers_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::unique_ptr<JobRun>> jobs_ ABSL_GUARDED_BY(mu_);
+  std::map<int64_t, JobRun*> by_number_ ABSL_GUARDED_BY(mu_);  // job-N by N: ListJobs' order
+  absl::Time retained_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   std::vector<std::string> queue_ ABSL_GUARDED_BY(mu_);  // queued job ids, oldest first
   std::thread loop_;
   // Declared last: destroyed (its threads joined) first.

@@ -2,8 +2,15 @@
 // results, traces, metrics, and the routing of a serving request to its job. Each
 // reads the jobs and the registry under the coordinator's mutex and changes nothing.
 #include <algorithm>
+#include <iterator>
+#include <optional>
+#include <set>
 
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "coordinator/coordinator.h"
 
 namespace pippy::coordinator {
@@ -15,11 +22,101 @@ absl::StatusOr<Job> Coordinator::GetJob(const std::string& job_id) {
   return run->View();
 }
 
-std::vector<Job> Coordinator::ListJobs() {
+namespace {
+
+constexpr int kDefaultPageSize = 100;
+constexpr int kMaxPageSize = 1000;
+
+// The filters and order a page token is valid for, as one canonical string.
+std::string Query(const ListJobsRequest& r, bool newest_first) {
+  std::vector<int> states(r.states().begin(), r.states().end());
+  std::sort(states.begin(), states.end());
+  states.erase(std::unique(states.begin(), states.end()), states.end());
+  return absl::StrCat(absl::StrJoin(states, ","), "|", r.user(), "|", newest_first ? "desc" : "asc");
+}
+
+uint64_t Fnv1a(absl::string_view s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+// A token: the number of the page's last job and the query it belongs to, opaque.
+std::string PageToken(int64_t last, const std::string& query) {
+  return absl::WebSafeBase64Escape(absl::StrCat("p1:", last, ":", absl::Hex(Fnv1a(query))));
+}
+
+absl::StatusOr<int64_t> ParsePageToken(const std::string& token, const std::string& query) {
+  const auto bad = [] {
+    return absl::InvalidArgumentError(
+        "page_token: not a token this coordinator gave for these filters and order (pass next_page_token back "
+        "unchanged, with the same states, user and order_by; or start again without it)");
+  };
+  std::string raw;
+  if (!absl::WebSafeBase64Unescape(token, &raw)) return bad();
+  std::vector<std::string> parts = absl::StrSplit(raw, ':');
+  int64_t last = 0;
+  if (parts.size() != 3 || parts[0] != "p1" || !absl::SimpleAtoi(parts[1], &last) || last < 0 ||
+      parts[2] != absl::StrCat(absl::Hex(Fnv1a(query)))) {
+    return bad();
+  }
+  return last;
+}
+
+}  // namespace
+
+absl::StatusOr<ListJobsResponse> Coordinator::ListJobs(const ListJobsRequest& request) {
+  if (request.page_size() < 0) {
+    return absl::InvalidArgumentError("page_size: must not be negative (0 asks for the default, 100)");
+  }
+  const int size = request.page_size() == 0 ? kDefaultPageSize : std::min(request.page_size(), kMaxPageSize);
+  const std::string& order = request.order_by();
+  const bool newest_first = order == "create_time desc";
+  if (!newest_first && !order.empty() && order != "create_time" && order != "create_time asc") {
+    return absl::InvalidArgumentError(absl::StrCat("order_by: '", order,
+                                                   "' is not an order ListJobs knows; use \"create_time\" or "
+                                                   "\"create_time desc\""));
+  }
+  for (int st : request.states()) {
+    if (!JobState_IsValid(st) || st == JOB_STATE_UNSPECIFIED) {
+      return absl::InvalidArgumentError(absl::StrCat("states: ", st, " is not a job state"));
+    }
+  }
+  const std::string query = Query(request, newest_first);
+  std::optional<int64_t> after;  // the previous page's last job: this page starts past it
+  if (!request.page_token().empty()) {
+    absl::StatusOr<int64_t> last = ParsePageToken(request.page_token(), query);
+    if (!last.ok()) return last.status();
+    after = *last;
+  }
+  const std::set<int> states(request.states().begin(), request.states().end());
+  auto wanted = [&](const JobRun& run) {
+    return (states.empty() || states.count(run.state()) > 0) && (request.user().empty() || run.job().user() == request.user());
+  };
+  ListJobsResponse out;
   absl::MutexLock lock(&mu_);
-  std::vector<Job> out;
-  for (const auto& [id, run] : jobs_) out.push_back(run->View());
-  std::sort(out.begin(), out.end(), [](const Job& a, const Job& b) { return a.created_unix_ms() < b.created_unix_ms(); });
+  int64_t last = 0;
+  bool more = false;
+  auto take = [&](int64_t number, const JobRun& run) {
+    if (!wanted(run)) return true;
+    if (out.jobs_size() == size) {
+      more = true;
+      return false;
+    }
+    *out.add_jobs() = run.Summary();
+    last = number;
+    return true;
+  };
+  if (newest_first) {
+    auto it = after.has_value() ? std::make_reverse_iterator(by_number_.lower_bound(*after)) : by_number_.rbegin();
+    for (; it != by_number_.rend() && take(it->first, *it->second); ++it) {
+    }
+  } else {
+    auto it = after.has_value() ? by_number_.upper_bound(*after) : by_number_.begin();
+    for (; it != by_number_.end() && take(it->first, *it->second); ++it) {
+    }
+  }
+  if (more) out.set_next_page_token(PageToken(last, query));
   return out;
 }
 

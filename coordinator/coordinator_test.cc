@@ -264,7 +264,7 @@ TEST_F(CoordinatorTest, BadSubmissions_AreRefusedNamingTheField_AndLeaveNothingB
     EXPECT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument) << c.name << ": " << id.status();
     EXPECT_THAT(std::string(id.status().message()), HasSubstr(c.want)) << c.name;
   }
-  EXPECT_TRUE(coordinator_->ListJobs().empty());
+  EXPECT_EQ(coordinator_->ListJobs(ListJobsRequest())->jobs_size(), 0);
   EXPECT_TRUE(std::filesystem::is_empty(state_ + "/uploads"));
   EXPECT_TRUE(std::filesystem::is_empty(state_ + "/jobs"));
 }

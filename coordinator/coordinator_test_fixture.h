@@ -151,6 +151,8 @@ class CoordinatorTest : public ::testing::Test {
     o.state_dir = state_;
     o.chunk_bytes = chunk_bytes;
     o.heartbeat_timeout = absl::Seconds(60);
+    o.job_retention = retention_;
+    o.max_finished_jobs = max_finished_jobs_;
     auto c = Coordinator::Create(o);
     ASSERT_TRUE(c.ok()) << c.status();
     coordinator_ = std::move(*c);
@@ -182,7 +184,8 @@ class CoordinatorTest : public ::testing::Test {
     return out;
   }
 
-  absl::StatusOr<std::string> Submit(const JobSpec& spec, const std::string& model_bytes, const std::string& data_bytes) {
+  absl::StatusOr<std::string> Submit(const JobSpec& spec, const std::string& model_bytes, const std::string& data_bytes,
+                                     const std::string& user = "") {
     auto upload = coordinator_->NewUpload();
     if (!upload.ok()) return upload.status();
     for (size_t off = 0; off < model_bytes.size(); off += 1000) {
@@ -193,7 +196,7 @@ class CoordinatorTest : public ::testing::Test {
       absl::Status s = (*upload)->AppendData(data_bytes);
       if (!s.ok()) return s;
     }
-    return coordinator_->SubmitJob(spec, std::move(*upload));
+    return coordinator_->SubmitJob(spec, std::move(*upload), user);
   }
 
   // Waits (at most 60 s) until `done(job)` holds; returns the job as last seen.
@@ -286,6 +289,8 @@ class CoordinatorTest : public ::testing::Test {
   }
 
   std::string state_;
+  absl::Duration retention_ = absl::ZeroDuration();  // Start's retention rule
+  int max_finished_jobs_ = 0;
   std::unique_ptr<Coordinator> coordinator_;
   std::vector<std::string> ids_;
 };

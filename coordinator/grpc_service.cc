@@ -134,11 +134,22 @@ grpc::Status CoordinatorGrpc::GetJob(grpc::ServerContext* context, const GetJobR
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorGrpc::ListJobs(grpc::ServerContext* context, const ListJobsRequest*, ListJobsResponse* response) {
+grpc::Status CoordinatorGrpc::ListJobs(grpc::ServerContext* context, const ListJobsRequest* request,
+                                       ListJobsResponse* response) {
   auto user = Authenticate(context);
   if (!user.ok()) return ToGrpc(user.status());
-  for (Job& j : logic_->ListJobs()) *response->add_jobs() = std::move(j);
+  auto page = logic_->ListJobs(*request);
+  if (!page.ok()) return ToGrpc(page.status());
+  *response = std::move(*page);
   return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorGrpc::DeleteJob(grpc::ServerContext* context, const DeleteJobRequest* request,
+                                        DeleteJobResponse*) {
+  auto user = Authenticate(context);
+  if (!user.ok()) return ToGrpc(user.status());
+  if (request->job_id().empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "job_id: missing");
+  return ToGrpc(logic_->DeleteJob(request->job_id(), *user));
 }
 
 grpc::Status CoordinatorGrpc::WatchJob(grpc::ServerContext* context, const WatchJobRequest* request,

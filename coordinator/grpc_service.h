@@ -34,6 +34,8 @@ class CoordinatorGrpc final : public pippy::Coordinator::Service {
   grpc::Status WatchJob(grpc::ServerContext* context, const WatchJobRequest* request,
                         grpc::ServerWriter<ProgressEvent>* writer) override;
   grpc::Status CancelJob(grpc::ServerContext* context, const CancelJobRequest* request, Job* response) override;
+  grpc::Status DeleteJob(grpc::ServerContext* context, const DeleteJobRequest* request,
+                         DeleteJobResponse* response) override;
   grpc::Status FetchModel(grpc::ServerContext* context, const FetchModelRequest* request,
                           grpc::ServerWriter<ModelChunk>* writer) override;
   grpc::Status ListWorkers(grpc::ServerContext* context, const ListWorkersRequest*, ListWorkersResponse* response) override;

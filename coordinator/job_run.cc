@@ -34,6 +34,8 @@ std::shared_ptr<ServingQueue> MakeServingQueue(const Job& job) {
 
 JobRun::JobRun(Stores stores, Job job, JobLayout layout)
     : stores_(stores), job_(std::move(job)), layout_(std::move(layout)) {
+  job_.set_num_stages(job_.plan().stages_size());  // records of older coordinators lack it
+  if (job_.losses_size() > 0) job_.set_last_loss(job_.losses(job_.losses_size() - 1));
   if (job_.spec().has_serving() && !IsTerminal(job_.state())) serving_ = MakeServingQueue(job_);
 }
 
@@ -128,6 +130,17 @@ Job JobRun::View() const {
   return j;
 }
 
+Job JobRun::Summary() const {
+  Job j = View();
+  j.clear_plan();
+  j.clear_losses();
+  j.clear_step_seconds();
+  j.clear_history();
+  j.clear_breakdown();
+  j.clear_edges();
+  return j;
+}
+
 bool JobRun::ended() const { return IsTerminal(job_.state()); }
 
 std::vector<int64_t> JobRun::RankMemory() const {
@@ -149,6 +162,8 @@ void JobRun::AddEvent(const std::string& message) {
 
 void JobRun::Touch() {
   job_.set_updated_unix_ms(NowMs());
+  job_.set_num_stages(job_.plan().stages_size());
+  if (job_.losses_size() > 0) job_.set_last_loss(job_.losses(job_.losses_size() - 1));
   ++version_;
   absl::Status saved = stores_.records->Put(job_);
   // The in-memory record stays authoritative; a lost write only costs the record's

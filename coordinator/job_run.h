@@ -73,6 +73,9 @@ class JobRun {
   const std::string& id() const { return job_.job_id(); }
   const Job& job() const { return job_; }
   Job View() const;  // as the API shows it: with a serving job's counters
+  // As ListJobs shows it: View without the plan, history, breakdowns, edges and the
+  // per-step arrays (num_stages and last_loss stand in).
+  Job Summary() const;
   JobState state() const { return job_.state(); }
   bool ended() const;
   int attempt() const { return job_.attempt(); }

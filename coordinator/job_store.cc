@@ -52,6 +52,19 @@ absl::Status JobStore::Put(const Job& job) {
   return absl::OkStatus();
 }
 
+absl::Status JobStore::Delete(const std::string& job_id) {
+  absl::MutexLock lock(&mu_);
+  for (const char* sql : {"DELETE FROM jobs WHERE id = ?", "DELETE FROM layouts WHERE id = ?"}) {
+    sqlite3_stmt* st = nullptr;
+    sqlite3_prepare_v2(db_, sql, -1, &st, nullptr);
+    sqlite3_bind_text(st, 1, job_id.c_str(), -1, SQLITE_TRANSIENT);
+    const int rc = sqlite3_step(st);
+    sqlite3_finalize(st);
+    if (rc != SQLITE_DONE) return absl::UnavailableError(absl::StrCat("deleting job ", job_id, ": ", sqlite3_errmsg(db_)));
+  }
+  return absl::OkStatus();
+}
+
 std::vector<Job> JobStore::List() {
   std::vector<Job> out;
   absl::MutexLock lock(&mu_);

@@ -30,6 +30,9 @@ class JobStore {
   // Every record, oldest first; records that do not parse are skipped (logged).
   std::vector<Job> List();
 
+  // Forgets a job: its record and its layout. Errors: UNAVAILABLE.
+  absl::Status Delete(const std::string& job_id);
+
   // A job's layout (pipeline/job/layout.h), saved once when the job is accepted.
   // Errors: UNAVAILABLE with SQLite's message.
   absl::Status PutLayout(const std::string& job_id, const JobLayout& layout);

@@ -35,6 +35,8 @@ struct Flags {
   int64_t max_model_mib = 0, max_data_mib = 0;
   int max_streams = 0, max_queued = 0;
   double prepare_timeout_s = 300, probe_timeout_s = 120;
+  double job_retention_days = 0;
+  int max_finished_jobs = 0;
   int metrics_port = -1;
 };
 
@@ -83,6 +85,12 @@ void AddFlags(CLI::App& app, Flags* f) {
                  "the submitted model's forward on one micro-batch (shape probe, loss check, the split's stage "
                  "forwards, --balance time) must finish within this, in the preparing child")
       ->check(cli::Positive())->capture_default_str();
+  app.add_option("--job-retention-days", f->job_retention_days,
+                 "delete ended jobs (record, files, trained model) this long after they ended (0: keep them)")
+      ->check(cli::NonNegative())->capture_default_str();
+  app.add_option("--max-finished-jobs", f->max_finished_jobs,
+                 "keep at most this many ended jobs, deleting the longest-ended first (0: no limit)")
+      ->check(cli::NonNegative())->capture_default_str();
   app.add_option("--metrics-port", f->metrics_port,
                  "serve Prometheus metrics at http://BIND:PORT/metrics (0: any free port, printed in the log)")
       ->check(CLI::Range(0, 65535));
@@ -110,6 +118,8 @@ int Serve(const Flags& f) {
   opts.child_binary = "/proc/self/exe";
   opts.prepare_timeout = absl::Seconds(f.prepare_timeout_s);
   opts.probe_timeout = absl::Seconds(f.probe_timeout_s);
+  opts.job_retention = absl::Seconds(f.job_retention_days * 86400);
+  opts.max_finished_jobs = f.max_finished_jobs;
   auto logic = coordinator::Coordinator::Create(opts);
   if (!logic.ok()) return cli::Fail(kProgram, logic.status());
   g_coordinator = logic->get();

@@ -5,6 +5,7 @@
 # one whose forward allocates without bound by the child's heap cap, while health stays
 # SERVING and the coordinator answers; a normal job submitted after them trains and is
 # fetched; the coordinator's own peak memory stays below a 384 MiB model it trained;
+# pippyctl list pages and filters, pippyctl delete removes an ended job's files;
 # SIGTERM during a hanging preparation stops the coordinator and its child within 2 s.
 set -u
 PIPPYCTL="$PWD/client/pippyctl"
@@ -117,6 +118,18 @@ fi
 grep -q "prepared a submission in a child process" "$TMP/coordinator.log" &&
   ok "the log names the child's peak: $(grep -o "prepared a submission in a child process.*" "$TMP/coordinator.log" | tail -1)" ||
   bad "no child preparation in the coordinator's log"
+
+# 3b. The list pages and filters; an ended job is deleted with its files.
+newest=$(ctl list --limit 1 --newest-first --output json | /usr/bin/python3 -c "import json,sys; print(','.join(j['job_id'] for j in json.load(sys.stdin)['jobs']))")
+succeeded=$(ctl list --state succeeded --output json | /usr/bin/python3 -c "import json,sys; print(len(json.load(sys.stdin)['jobs']))")
+ctl delete "$id" > "$TMP/delete.out" 2>&1
+deleted=$?
+if [ "$newest" = "$id" ] && [ "$succeeded" = 2 ] && [ "$deleted" = 0 ] && ! ctl status "$id" > /dev/null 2>&1 &&
+   [ ! -e "$TMP/state/models/$id.pt" ] && [ ! -e "$TMP/state/jobs/$id" ]; then
+  ok "list --limit 1 --newest-first gave $newest, --state succeeded $succeeded jobs; delete removed $id and its files"
+else
+  bad "list/delete: newest '$newest', succeeded '$succeeded', delete exit $deleted ($(cat "$TMP/delete.out")), files: $(ls "$TMP/state/models" "$TMP/state/jobs" 2>&1 | tr '\n' ' ')"
+fi
 
 # 4. SIGTERM while a child prepares a hanging model: the coordinator and the child stop
 #    within 2 s (a zombie counts as stopped: the test's shell reaps it after).

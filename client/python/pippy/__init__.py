@@ -260,10 +260,26 @@ class Client:
                     metadata=self._metadata)
         return json_format.MessageToDict(job, preserving_proto_field_name=True)
 
-    def list_jobs(self):
-        r = _call(self._stub.ListJobs, coordinator_pb2.ListJobsRequest(), timeout=self.timeout_s,
-                  metadata=self._metadata)
-        return [json_format.MessageToDict(j, preserving_proto_field_name=True) for j in r.jobs]
+    def list_jobs(self, states=(), user="", limit=0, newest_first=False):
+        """Job summaries (dicts; no plan or loss array: status() has them), oldest first
+        (newest first with newest_first), only those in `states` (names such as
+        "RUNNING") and of `user` when given, at most `limit` (0: all), page by page."""
+        req = coordinator_pb2.ListJobsRequest(
+            states=[coordinator_pb2.JobState.Value(s.upper()) for s in states], user=user,
+            order_by="create_time desc" if newest_first else "")
+        jobs = []
+        while True:
+            req.page_size = min(limit - len(jobs), 1000) if limit else 1000
+            r = _call(self._stub.ListJobs, req, timeout=self.timeout_s, metadata=self._metadata)
+            jobs += [json_format.MessageToDict(j, preserving_proto_field_name=True) for j in r.jobs]
+            if not r.next_page_token or (limit and len(jobs) >= limit):
+                return jobs
+            req.page_token = r.next_page_token
+
+    def delete(self, job_id):
+        """Deletes an ended job: its record, files and trained model."""
+        _call(self._stub.DeleteJob, coordinator_pb2.DeleteJobRequest(job_id=job_id), timeout=self.timeout_s,
+              metadata=self._metadata)
 
     def workers(self):
         r = _call(self._stub.ListWorkers, coordinator_pb2.ListWorkersRequest(), timeout=self.timeout_s,

@@ -39,6 +39,11 @@ class CoordinatorStub(object):
                 request_serializer=proto_dot_coordinator__pb2.CancelJobRequest.SerializeToString,
                 response_deserializer=proto_dot_coordinator__pb2.Job.FromString,
                 )
+        self.DeleteJob = channel.unary_unary(
+                '/pippy.Coordinator/DeleteJob',
+                request_serializer=proto_dot_coordinator__pb2.DeleteJobRequest.SerializeToString,
+                response_deserializer=proto_dot_coordinator__pb2.DeleteJobResponse.FromString,
+                )
         self.FetchModel = channel.unary_stream(
                 '/pippy.Coordinator/FetchModel',
                 request_serializer=proto_dot_coordinator__pb2.FetchModelRequest.SerializeToString,
@@ -94,6 +99,12 @@ class CoordinatorServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def CancelJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteJob(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -158,6 +169,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.CancelJob,
                     request_deserializer=proto_dot_coordinator__pb2.CancelJobRequest.FromString,
                     response_serializer=proto_dot_coordinator__pb2.Job.SerializeToString,
+            ),
+            'DeleteJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteJob,
+                    request_deserializer=proto_dot_coordinator__pb2.DeleteJobRequest.FromString,
+                    response_serializer=proto_dot_coordinator__pb2.DeleteJobResponse.SerializeToString,
             ),
             'FetchModel': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchModel,
@@ -276,6 +292,23 @@ class Coordinator(object):
         return grpc.experimental.unary_unary(request, target, '/pippy.Coordinator/CancelJob',
             proto_dot_coordinator__pb2.CancelJobRequest.SerializeToString,
             proto_dot_coordinator__pb2.Job.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def DeleteJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/pippy.Coordinator/DeleteJob',
+            proto_dot_coordinator__pb2.DeleteJobRequest.SerializeToString,
+            proto_dot_coordinator__pb2.DeleteJobResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
