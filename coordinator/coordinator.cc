@@ -227,9 +227,16 @@ absl::StatusOr<std::string> Coordinator::SubmitJob(const JobSpec& spec, std::uni
   return id;
 }
 
-std::vector<RankSend> Coordinator::PlaceOnIdleWorkers(JobRun& run) {
-  std::vector<std::string> chosen = workers_->Fit(run.RankMemory());
-  if (chosen.empty()) return {};
+std::vector<RankSend> Coordinator::PlaceOnIdleWorkers(JobRun& run, NoFit* no_fit) {
+  const std::vector<int64_t>& need = run.RankMemory();
+  // Within one pass over the queue the idle workers only shrink: a need that did not
+  // fit once does not fit later in the pass (10,000 queued jobs cost one Fit per need).
+  if (no_fit != nullptr && no_fit->contains(need)) return {};
+  std::vector<std::string> chosen = workers_->Fit(need);
+  if (chosen.empty()) {
+    if (no_fit != nullptr) no_fit->insert(need);
+    return {};
+  }
   std::vector<JobRun::PlacedWorker> placed;
   for (const std::string& wid : chosen) {
     const WorkerRegistry::Worker& w = *workers_->Find(wid);
@@ -245,10 +252,12 @@ std::vector<RankSend> Coordinator::PlaceOnIdleWorkers(JobRun& run) {
 }
 
 void Coordinator::Schedule() {
+  if (queue_.empty() || workers_->IdleCount() == 0) return;
+  NoFit no_fit;
   for (auto it = queue_.begin(); it != queue_.end();) {
     JobRun& run = *jobs_.at(*it);
     // A restart before the first checkpoint waits for the original stage files.
-    std::vector<RankSend> sends = run.StagesOnDisk() ? PlaceOnIdleWorkers(run) : std::vector<RankSend>();
+    std::vector<RankSend> sends = run.StagesOnDisk() ? PlaceOnIdleWorkers(run, &no_fit) : std::vector<RankSend>();
     if (sends.empty()) {
       ++it;  // later jobs that fit may go first on the remaining workers
       continue;
@@ -366,7 +375,7 @@ absl::StatusOr<std::string> Coordinator::AddWorker(const RegisterWorker& reg, st
     CoordinatorMessage m;
     m.mutable_registered()->set_worker_id(*id);
     out.emplace_back(channel, m);
-    Schedule();
+    schedule_soon_ = true;  // the loop places what now fits, once for many registrations
   }
   Deliver(&out);
   return id;
@@ -550,7 +559,12 @@ void Coordinator::Loop() {
         retained_at_ = now;
       }
       silent = workers_->Silent(now, options_.heartbeat_timeout);
-      Schedule();
+      // A pass over the queue when workers came, and every 2 s whatever happened.
+      if (schedule_soon_ || now - scheduled_at_ >= absl::Seconds(2)) {
+        schedule_soon_ = false;
+        scheduled_at_ = now;
+        Schedule();
+      }
       for (auto& [id, run] : jobs_) {
         if (!run->RecoveryExpired(now)) continue;
         EndJob(*run, FAILED,

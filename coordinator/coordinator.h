@@ -46,6 +46,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -154,8 +155,10 @@ class Coordinator {
   absl::Status CheckUserQueue(const std::string& user);
   // Places queued jobs (whose stages are on disk) on idle workers; starts their senders.
   void Schedule() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Chooses workers for the job and places it there (none: empty).
-  std::vector<RankSend> PlaceOnIdleWorkers(JobRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Chooses workers for the job and places it there (none: empty). `no_fit`: the
+  // needs (device memory by rank) that did not fit earlier in this pass, added to.
+  using NoFit = absl::flat_hash_set<std::vector<int64_t>>;
+  std::vector<RankSend> PlaceOnIdleWorkers(JobRun& run, NoFit* no_fit = nullptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends the job and frees its workers: those still on its attempt are told to stop
   // (each is idle again once it reports its rank finished); after SUCCEEDED they are idle.
   void EndJob(JobRun& run, JobState state, const std::string& reason, Outbox* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -202,6 +205,8 @@ class Coordinator {
   std::map<std::string, std::unique_ptr<JobRun>> jobs_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, JobRun*> by_number_ ABSL_GUARDED_BY(mu_);  // job-N by N: ListJobs' order
   absl::Time retained_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  bool schedule_soon_ ABSL_GUARDED_BY(mu_) = false;  // workers registered since the last pass
+  absl::Time scheduled_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   std::vector<std::string> queue_ ABSL_GUARDED_BY(mu_);  // queued job ids, oldest first
   std::thread loop_;
   // Declared last: destroyed (its threads joined) first.

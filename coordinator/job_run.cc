@@ -34,6 +34,7 @@ std::shared_ptr<ServingQueue> MakeServingQueue(const Job& job) {
 
 JobRun::JobRun(Stores stores, Job job, JobLayout layout)
     : stores_(stores), job_(std::move(job)), layout_(std::move(layout)) {
+  for (int g = 0; g < ranks(); ++g) rank_memory_.push_back(layout_.ranks(g % ranks_per_replica()).memory_bytes());
   job_.set_num_stages(job_.plan().stages_size());  // records of older coordinators lack it
   if (job_.losses_size() > 0) job_.set_last_loss(job_.losses(job_.losses_size() - 1));
   if (job_.spec().has_serving() && !IsTerminal(job_.state())) serving_ = MakeServingQueue(job_);
@@ -142,12 +143,6 @@ Job JobRun::Summary() const {
 }
 
 bool JobRun::ended() const { return IsTerminal(job_.state()); }
-
-std::vector<int64_t> JobRun::RankMemory() const {
-  std::vector<int64_t> need;
-  for (int g = 0; g < ranks(); ++g) need.push_back(layout_.ranks(g % ranks_per_replica()).memory_bytes());
-  return need;
-}
 
 std::vector<int> JobRun::StagesOfRank(int rank) const {
   return layout_.ranks_size() > 0 ? job::StagesOf(layout_.ranks(0), rank) : std::vector<int>();

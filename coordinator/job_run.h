@@ -84,7 +84,7 @@ class JobRun {
   int ranks_per_replica() const { return layout_.ranks_size(); }
   int ranks() const { return ranks_per_replica() * layout_.replicas(); }  // every replica's
   // Device memory each rank needs (by global rank), for placement.
-  std::vector<int64_t> RankMemory() const;
+  const std::vector<int64_t>& RankMemory() const { return rank_memory_; }
   std::vector<int> StagesOfRank(int rank) const;  // rank within a replica
   absl::Time checkpoint_time() const { return checkpoint_time_; }
   // Appends to the job's history (and the log); saves the record.
@@ -160,6 +160,7 @@ class JobRun {
   JobLayout layout_;
   int64_t version_ = 0;
   std::vector<int64_t> share_bytes_;                   // by rank (every replica reads the same)
+  std::vector<int64_t> rank_memory_;                  // by global rank, from the layout
   bool stage_files_ready_ = false;                     // jobs/<id>/stage_<s>.pt are whole
   // Set when the attempt ends: its file senders stop. Each attempt has its own.
   std::shared_ptr<std::atomic<bool>> stop_ = std::make_shared<std::atomic<bool>>(false);

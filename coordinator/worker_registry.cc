@@ -88,6 +88,12 @@ std::vector<std::string> WorkerRegistry::IdleIds() const {
   return idle;
 }
 
+int WorkerRegistry::IdleCount() const {
+  int n = 0;
+  for (const auto& [id, w] : workers_) n += w.info.state() == IDLE ? 1 : 0;
+  return n;
+}
+
 std::vector<WorkerInfo> WorkerRegistry::List() const {
   std::vector<WorkerInfo> out;
   for (const auto& [id, w] : workers_) out.push_back(w.info);

@@ -56,6 +56,7 @@ class WorkerRegistry {
   std::vector<std::pair<std::string, std::string>> Silent(absl::Time now, absl::Duration timeout) const;
 
   std::vector<std::string> IdleIds() const;
+  int IdleCount() const;
   int size() const { return static_cast<int>(workers_.size()); }
   std::vector<WorkerInfo> List() const;
   const std::map<std::string, Worker>& all() const { return workers_; }
