@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "common/device.h"
+#include "common/liveness.h"
 #include "common/log.h"
 #include "common/memory.h"
 #include "common/metrics.h"
@@ -108,6 +109,16 @@ TEST(TorchCall, Value_PassesThrough) {
   absl::StatusOr<int> r = TorchCall("x", [] { return 7; });
   ASSERT_TRUE(r.ok());
   EXPECT_EQ(*r, 7);
+}
+
+TEST(Liveness, AliveAfterABeat_NotOnceTheLimitPasses) {
+  Liveness loop;
+  EXPECT_TRUE(loop.Alive(absl::Seconds(10)));
+  absl::SleepFor(absl::Milliseconds(60));
+  EXPECT_FALSE(loop.Alive(absl::Milliseconds(20)));  // no beat for 60 ms
+  EXPECT_GE(loop.SinceBeat(), absl::Milliseconds(60));
+  loop.Beat();
+  EXPECT_TRUE(loop.Alive(absl::Milliseconds(20)));
 }
 
 TEST(Log, ParseLevel_RejectsUnknownWithHint) {

@@ -19,14 +19,14 @@ void NotifyStatus(const std::string& status) { sd_notify(0, absl::StrCat("STATUS
 
 void NotifyStopping() { sd_notify(0, "STOPPING=1"); }
 
-bool StartWatchdog() {
+bool StartWatchdog(std::function<bool()> healthy) {
   uint64_t usec = 0;
   if (sd_watchdog_enabled(0, &usec) <= 0 || usec == 0) return false;
   const auto every = std::chrono::microseconds(usec / 2);
   log::Info("systemd watchdog: pinging every {} ms", usec / 2000);
-  std::thread([every] {
+  std::thread([every, healthy] {
     while (true) {
-      sd_notify(0, "WATCHDOG=1");
+      if (!healthy || healthy()) sd_notify(0, "WATCHDOG=1");
       std::this_thread::sleep_for(every);
     }
   }).detach();

@@ -5,6 +5,7 @@
 #ifndef PIPPY_COMMON_SYSTEMD_H_
 #define PIPPY_COMMON_SYSTEMD_H_
 
+#include <functional>
 #include <string>
 
 namespace pippy::systemd {
@@ -17,7 +18,9 @@ void NotifyStopping();
 // When the service manager asked for a watchdog (WATCHDOG_USEC), pings WATCHDOG=1 at
 // half its interval from a thread of its own for as long as the process lives.
 // Returns whether it started one.
-bool StartWatchdog();
+// `healthy` (if given) is asked before each ping: no ping while it says false, so
+// systemd restarts a daemon whose own loop is stuck.
+bool StartWatchdog(std::function<bool()> healthy = nullptr);
 
 }  // namespace pippy::systemd
 

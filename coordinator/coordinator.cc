@@ -576,6 +576,7 @@ void Coordinator::Loop() {
       }
     }
     Deliver(&out);
+    loop_alive_.Beat();
     for (const std::string& id : dropped) artifacts_->RemoveAllOf(id);
     for (const auto& [id, why] : silent) RemoveWorker(id, why);
   }

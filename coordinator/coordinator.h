@@ -50,6 +50,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/liveness.h"
 #include "coordinator/artifact_store.h"
 #include "coordinator/coordinator_metrics.h"
 #include "coordinator/job_preparation.h"
@@ -91,6 +92,10 @@ class Coordinator {
   // The coordinator is stopping (SIGTERM): children preparing or assembling are killed,
   // their callers answered UNAVAILABLE, and no new one starts. Safe from any thread.
   void BeginStop() { stopping_ = true; }
+  // Whether the coordinator's loop (heartbeats, the queue, retention) turned within
+  // `limit`: false when it is stuck (main.cc turns health NOT_SERVING and stops the
+  // systemd watchdog's pings).
+  bool LoopAlive(absl::Duration limit) const { return loop_alive_.Alive(limit); }
 
   // ---- users ----
   // A place for a submission's model and data while they arrive (removed unless the
@@ -199,6 +204,7 @@ class Coordinator {
   absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<bool> stopping_{false};  // BeginStop: children are killed
+  Liveness loop_alive_;                 // beaten by each pass of Loop
   bool model_in_memory_ ABSL_GUARDED_BY(mu_) = false;  // the model slot is taken
   int64_t next_job_ ABSL_GUARDED_BY(mu_) = 1;
   std::unique_ptr<WorkerRegistry> workers_ ABSL_GUARDED_BY(mu_);

@@ -1,4 +1,5 @@
 // pippy-coordinator: parses flags, wires the service logic to gRPC; nothing else.
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
@@ -24,6 +25,7 @@ namespace {
 constexpr char kProgram[] = "pippy-coordinator";
 std::unique_ptr<grpc::Server> g_server;
 pippy::coordinator::Coordinator* g_coordinator = nullptr;
+std::atomic<bool> g_stopping{false};
 
 // Every flag, as parsed.
 struct Flags {
@@ -170,7 +172,26 @@ int Serve(const Flags& f) {
                                                  : " over TLS, workers with mTLS",
             f.state_dir);
   systemd::NotifyReady(absl::StrCat("serving on ", f.bind, ":", bound));
-  systemd::StartWatchdog();
+  // Health tells the truth about the coordinator's own loop: NOT_SERVING (and no
+  // watchdog pings) while it has not turned for 10 s, SERVING again when it does.
+  const absl::Duration stall = absl::Seconds(10);
+  std::atomic<bool> monitoring{true};
+  std::thread monitor([&monitoring, stall] {
+    bool serving = true;
+    while (monitoring) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      const bool alive = g_coordinator->LoopAlive(stall) && !g_stopping;
+      if (alive == serving || g_stopping) continue;
+      serving = alive;
+      g_server->GetHealthCheckService()->SetServingStatus(alive);
+      if (alive) {
+        log::Info("the coordinator's loop turns again: health SERVING");
+      } else {
+        log::Warn("the coordinator's loop has not turned for {}: health NOT_SERVING", absl::FormatDuration(stall));
+      }
+    }
+  });
+  systemd::StartWatchdog([stall] { return g_coordinator->LoopAlive(stall); });
   // Children preparing or merging are killed at once; workers keep their streams open
   // forever: what is still open after 0.3 s is cancelled. Should a handler still not
   // return (it never has), the process exits at 1.8 s: everything it keeps is in
@@ -178,6 +199,7 @@ int Serve(const Flags& f) {
   auto stop = [](int) {
     std::thread([] {
       pippy::log::Info("pippy-coordinator stopping (signal)");
+      g_stopping = true;
       systemd::NotifyStopping();
       g_coordinator->BeginStop();
       g_server->GetHealthCheckService()->SetServingStatus(false);
@@ -192,6 +214,8 @@ int Serve(const Flags& f) {
   std::signal(SIGTERM, stop);
   std::signal(SIGINT, stop);
   g_server->Wait();
+  monitoring = false;
+  monitor.join();
   g_server.reset();
   logic->reset();  // its loop and task threads joined
   log::Info("pippy-coordinator stopped");

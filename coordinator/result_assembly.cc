@@ -47,7 +47,11 @@ absl::Status MergeInChild(const std::string& dir, int stages, const AssembleOpti
                                                      ") merging the trained stages: a stage file a worker sent is "
                                                      "corrupt"));
     case Ending::kExited:
-      if (r.exit_code == 0) return absl::OkStatus();
+      if (r.exit_code == 0) {
+        log::Info("merged the trained stages in a child process (its peak resident memory {} MiB)",
+                  r.peak_rss_bytes >> 20);
+        return absl::OkStatus();
+      }
       if (r.has_error) return r.error;
       return absl::UnavailableError(absl::StrCat("the merging process exited with status ", r.exit_code,
                                                  " without saying why; is the merger a pippy-coordinator binary?"));
