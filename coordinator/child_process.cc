@@ -157,6 +157,24 @@ ChildResult RunChild(const ChildSpec& spec) {
   return result;
 }
 
+std::optional<absl::Status> PlainEnding(const ChildResult& r, absl::string_view doing) {
+  using Ending = ChildResult::Ending;
+  switch (r.ending) {
+    case Ending::kNotStarted:
+      return absl::UnavailableError(absl::StrCat(doing, ": ", r.start_error));
+    case Ending::kCancelled:
+      return absl::UnavailableError(absl::StrCat("the coordinator stopped while ", doing, "; try again once it is back"));
+    case Ending::kExited:
+      if (r.exit_code == 0) return absl::OkStatus();
+      if (r.has_error) return r.error;
+      return absl::UnavailableError(absl::StrCat(doing, ": the child process exited with status ", r.exit_code,
+                                                 " without saying why; is it a pippy-coordinator binary?",
+                                                 r.said.empty() ? "" : absl::StrCat(" It printed: ", r.said)));
+    default:
+      return std::nullopt;
+  }
+}
+
 void EnterChild(uint64_t heap_bytes) {
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (getppid() == 1) _exit(1);  // the parent died before the line above

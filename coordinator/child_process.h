@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -57,6 +58,12 @@ struct ChildResult {
 
 // Starts `spec.argv` and waits for it to end (within the limits).
 ChildResult RunChild(const ChildSpec& spec);
+
+// The endings every caller words alike, as a status: OK for exit 0, the child's own
+// reported error, UNAVAILABLE when it could not start, was cancelled (the coordinator
+// stopping) or exited without saying why (`doing`: "preparing the submission").
+// nullopt for deadlines and signals, which the caller words for its phases.
+std::optional<absl::Status> PlainEnding(const ChildResult& result, absl::string_view doing);
 
 // ---- the child's side ----
 // Dies with the parent; caps the heap (RLIMIT_DATA: brk and private writable mappings,

@@ -19,6 +19,8 @@
 #include "pipeline/job/layout.h"
 #include "pipeline/job/job_spec.h"
 #include "pipeline/torchio/model_io.h"
+#include "pipeline/torchio/model_records.h"
+#include "pipeline/partition/plan_builder.h"
 #include "pipeline/partition/forward_probe.h"
 #include "pipeline/partition/partition.h"
 #include "pipeline/stage/data_source.h"
@@ -120,11 +122,15 @@ absl::StatusOr<torch::jit::Module> LoadSubmitted(const std::string& dir) {
   return Bad("model", msg);
 }
 
-// The job's data, checked against the model: one micro-batch through its forward
-// (and the loss, for training). Returns the data; `example` gets that micro-batch.
-absl::StatusOr<stage::DataSource> CheckedData(const JobSpec& spec, const std::string& dir,
-                                              torch::jit::Module& model, const Phase& phase,
-                                              std::vector<c10::IValue>* example) {
+// The job's data and its first micro-batch (inputs, and targets for training).
+struct JobData {
+  stage::DataSource data;
+  std::vector<c10::IValue> example;
+  c10::IValue target;  // training only
+};
+
+absl::StatusOr<JobData> ReadData(const JobSpec& spec, const std::string& dir, const torch::jit::Module& model,
+                                 const Phase& phase) {
   const bool train = spec.mode() == MODE_TRAIN;
   phase("data");
   PIPPY_ASSIGN_OR_RETURN(std::string data_bytes, DataBytes(spec, dir));
@@ -141,22 +147,29 @@ absl::StatusOr<stage::DataSource> CheckedData(const JobSpec& spec, const std::st
   const int m = spec.schedule().microbatches();
   PIPPY_ASSIGN_OR_RETURN(auto mb_inputs, Field("data", stage::SplitIntoMicrobatches(
                                                            data.Inputs(0, spec.batch_size()), m, {}, names)));
-  *example = mb_inputs[0];
-  phase("probe");
-  absl::StatusOr<c10::IValue> output = partition::RunForwardOnce(model, *example);
+  c10::IValue target;
+  if (train) {
+    PIPPY_ASSIGN_OR_RETURN(auto mb_targets, Field("data", stage::SplitIntoMicrobatches(
+                                                               {data.Target(0, spec.batch_size())}, m, {}, {"targets"})));
+    target = mb_targets[0][0];
+  }
+  return JobData{std::move(data), mb_inputs[0], target};
+}
+
+// The model's output on the example, checked as the data's: errors name the data
+// (or the memory cap); for training, the loss of the output against the targets.
+absl::Status CheckOutput(const JobSpec& spec, const std::string& dir, torch::jit::Module& model,
+                         const absl::StatusOr<c10::IValue>& output, const c10::IValue& target) {
   if (!output.ok() && OutOfMemory(output.status())) {
     return Bad("model", absl::StrCat("its forward ran out of memory on one micro-batch of the data (", HeapCapText(dir),
                                      "): ", output.status().message()));
   }
   if (!output.ok()) return Field("data: the inputs do not fit the model", output.status());
-  if (train) {
-    PIPPY_ASSIGN_OR_RETURN(auto mb_targets, Field("data", stage::SplitIntoMicrobatches(
-                                                               {data.Target(0, spec.batch_size())}, m, {}, {"targets"})));
-    torch::NoGradGuard no_grad;
-    absl::StatusOr<at::Tensor> loss = stage::ComputeLoss(spec.loss(), model, *output, mb_targets[0][0]);
-    if (!loss.ok()) return Field("data: the targets do not fit the model's output", loss.status());
-  }
-  return data;
+  if (spec.mode() != MODE_TRAIN) return absl::OkStatus();
+  torch::NoGradGuard no_grad;
+  absl::StatusOr<at::Tensor> loss = stage::ComputeLoss(spec.loss(), model, *output, target);
+  if (!loss.ok()) return Field("data: the targets do not fit the model's output", loss.status());
+  return absl::OkStatus();
 }
 
 // Each rank's share of the data, written into `dir`; their sizes. A serving job's
@@ -179,27 +192,79 @@ absl::StatusOr<std::vector<int64_t>> WriteShares(const JobSpec& spec, const JobL
   return sizes;
 }
 
-// The preparation's work, wherever it runs; `spec` is already checked.
-absl::StatusOr<PreparedJob> PrepareHere(const JobSpec& spec, const std::string& dir, const Phase& phase) {
-  PreparedJob out;
-  out.spec = spec;
-  torch::jit::setGraphExecutorOptimize(false);
-  const absl::Time start = absl::Now();
-  phase("load");
-  PIPPY_ASSIGN_OR_RETURN(torch::jit::Module model, LoadSubmitted(dir));
-  const absl::Time loaded_at = absl::Now();
-  std::vector<c10::IValue> example;
-  PIPPY_ASSIGN_OR_RETURN(stage::DataSource data, CheckedData(spec, dir, model, phase, &example));
-  const absl::Time checked_at = absl::Now();
-  // Split once; the stages share the model's tensors (they are only written out).
-  phase("split");
+partition::SplitOptions SplitOptionsOf(const JobSpec& spec) {
   partition::SplitOptions so;
   so.num_stages = spec.split().stages();
   so.split_at.assign(spec.split().split_at().begin(), spec.split().split_at().end());
   so.balance = spec.split().balance();
-  so.example_inputs = example;
-  so.share_tensors = true;
+  so.share_tensors = true;  // the stages share the model's tensors (they are only written out)
   so.model_name = spec.name();
+  return so;
+}
+
+// Record by record (torchio/model_records.h): the skeleton split, then one stage at a
+// time its records read, the example micro-batch through it, its file written and its
+// records let go. Memory: the code, one stage's tensors, one micro-batch's activations.
+absl::StatusOr<PreparedJob> PrepareByRecords(const JobSpec& spec, const std::string& dir, const Phase& phase,
+                                             torchio::ModelRecords& records) {
+  PreparedJob out;
+  out.spec = spec;
+  const absl::Time start = absl::Now();
+  torch::jit::Module& model = records.skeleton();
+  PIPPY_ASSIGN_OR_RETURN(JobData d, ReadData(spec, dir, model, phase));
+  phase("split");
+  absl::StatusOr<partition::Pipe> pipe = partition::SplitModel(model, SplitOptionsOf(spec));
+  if (!pipe.ok()) return Field("split", pipe.status());
+  const absl::Time split_at = absl::Now();
+  out.stage_bytes.assign(pipe->stages.size(), 0);
+  absl::Status hook_error;
+  partition::StageHooks hooks;
+  hooks.before = [&](int s, const torch::jit::Module& stage) {
+    phase("read");
+    hook_error = Field("model", records.Materialize(stage));
+    phase("probe");
+    return hook_error;
+  };
+  hooks.after = [&](int s, const torch::jit::Module& stage) {
+    phase("write");
+    const std::string path = absl::StrCat(dir, "/", ArtifactStore::StageFileName(s));
+    hook_error = torchio::SaveModule(stage, path);
+    out.stage_bytes[static_cast<size_t>(s)] = ArtifactStore::FileSize(path);
+    records.Dematerialize(stage);
+    return hook_error;
+  };
+  c10::IValue output;
+  absl::StatusOr<std::vector<double>> ran = partition::RunExample(&*pipe, d.example, 1, hooks, &output);
+  if (!hook_error.ok()) return hook_error;
+  PIPPY_RETURN_IF_ERROR(CheckOutput(spec, dir, model, ran.ok() ? absl::StatusOr<c10::IValue>(output) : ran.status(),
+                                    d.target));
+  out.plan = pipe->plan;
+  PIPPY_ASSIGN_OR_RETURN(out.layout, job::MakeLayout(spec, out.plan));
+  PIPPY_ASSIGN_OR_RETURN(out.share_bytes, WriteShares(spec, out.layout, d.data, dir));
+  log::Info("prepared a submission record by record in {}: split into {} stages in {}, each stage read, run on "
+            "the example and written in {}",
+            absl::FormatDuration(absl::Now() - start), out.plan.stages_size(),
+            absl::FormatDuration(split_at - start), absl::FormatDuration(absl::Now() - split_at));
+  return out;
+}
+
+// The whole model loaded: for what runs the whole model (--balance flops or time, a
+// model with its own loss method) and archives the records path does not read.
+absl::StatusOr<PreparedJob> PrepareWhole(const JobSpec& spec, const std::string& dir, const Phase& phase) {
+  PreparedJob out;
+  out.spec = spec;
+  const absl::Time start = absl::Now();
+  PIPPY_ASSIGN_OR_RETURN(torch::jit::Module model, LoadSubmitted(dir));
+  const absl::Time loaded_at = absl::Now();
+  PIPPY_ASSIGN_OR_RETURN(JobData d, ReadData(spec, dir, model, phase));
+  std::vector<c10::IValue> example = d.example;
+  phase("probe");
+  PIPPY_RETURN_IF_ERROR(CheckOutput(spec, dir, model, partition::RunForwardOnce(model, example), d.target));
+  const stage::DataSource& data = d.data;
+  const absl::Time checked_at = absl::Now();
+  phase("split");
+  partition::SplitOptions so = SplitOptionsOf(spec);
+  so.example_inputs = example;
   absl::StatusOr<partition::Pipe> pipe = partition::SplitModel(model, so);
   if (!pipe.ok()) return Field("split", pipe.status());
   out.plan = pipe->plan;
@@ -215,6 +280,26 @@ absl::StatusOr<PreparedJob> PrepareHere(const JobSpec& spec, const std::string& 
             absl::FormatDuration(split_at - checked_at), out.share_bytes.size(),
             absl::FormatDuration(absl::Now() - split_at));
   return out;
+}
+
+// The preparation's work, wherever it runs; `spec` is already checked.
+absl::StatusOr<PreparedJob> PrepareHere(const JobSpec& spec, const std::string& dir, const Phase& phase,
+                                        bool whole) {
+  torch::jit::setGraphExecutorOptimize(false);
+  phase("load");
+  const Balance balance = spec.split().balance();
+  if (!whole && (balance == BALANCE_UNSPECIFIED || balance == BALANCE_PARAMS)) {
+    absl::StatusOr<std::unique_ptr<torchio::ModelRecords>> records =
+        torchio::ModelRecords::Open(dir + "/model.pt", "model");
+    if (absl::IsInvalidArgument(records.status())) return Bad("model", records.status().message());
+    // An archive the records path cannot read is loaded whole, which says what is wrong.
+    // The model's own loss() may read its parameters: checked with the whole model.
+    const bool own_loss = spec.mode() == MODE_TRAIN && spec.loss() == LOSS_MODEL;
+    if (records.ok() && !own_loss) return PrepareByRecords(spec, dir, phase, **records);
+    log::Info("preparing with the whole model loaded: {}",
+              records.ok() ? "--loss model runs the model's own loss()" : std::string(records.status().message()));
+  }
+  return PrepareWhole(spec, dir, phase);
 }
 
 constexpr char kSpecFile[] = "/job_spec.pb";
@@ -264,12 +349,9 @@ PhaseWords WordsFor(const std::string& phase) {
 // The child's ending as the submission's error (OK: it finished).
 absl::Status ChildStatus(const ChildResult& r, const std::string& dir) {
   using Ending = ChildResult::Ending;
+  if (std::optional<absl::Status> plain = PlainEnding(r, "preparing the submission")) return *plain;
   const PhaseWords w = WordsFor(r.phase);
   switch (r.ending) {
-    case Ending::kNotStarted:
-      return absl::UnavailableError(absl::StrCat("preparing the submission: ", r.start_error));
-    case Ending::kCancelled:
-      return absl::UnavailableError("the coordinator is stopping; submit again once it is back");
     case Ending::kPhaseTimedOut:
       return Bad(w.field, absl::StrCat(w.doing, " did not finish within ", absl::FormatDuration(r.limit),
                                        " (--probe-timeout-s): a forward that does not return cannot run in a "
@@ -288,20 +370,16 @@ absl::Status ChildStatus(const ChildResult& r, const std::string& dir) {
       return Bad(w.field, absl::StrCat("LibTorch crashed (signal ", sig, ", ", strsignal(sig), ") ", w.doing, ": ",
                                        w.crash_hint));
     }
-    case Ending::kExited:
-      if (r.exit_code == 0) return absl::OkStatus();
-      if (r.has_error) return r.error;
-      return absl::UnavailableError(absl::StrCat("the preparation process exited with status ", r.exit_code,
-                                                 " without saying why; is the preparer a pippy-coordinator binary?",
-                                                 r.said.empty() ? "" : absl::StrCat(" It printed: ", r.said)));
+    default:
+      return absl::InternalError("unreachable: PlainEnding words the other endings");
   }
-  return absl::InternalError("unreachable");
 }
 
 absl::StatusOr<PreparedJob> PrepareInChild(const JobSpec& spec, const std::string& dir, const PrepareOptions& options) {
   PIPPY_RETURN_IF_ERROR(WriteMessage(spec, dir + kSpecFile));
   ChildSpec child;
   child.argv = {options.preparer, kPrepareFlag, dir};
+  if (options.whole) child.argv.push_back(kWholeFlag);
   child.timeout = options.timeout;
   child.phase_timeouts = {{"probe", options.probe_timeout}, {"split", options.probe_timeout}};
   child.cancelled = options.cancelled;
@@ -335,11 +413,11 @@ absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::stri
   JobSpec spec = submitted;
   PIPPY_RETURN_IF_ERROR(job::CheckSpec(&spec));
   if (ArtifactStore::FileSize(dir + "/model.pt") <= 0) return Bad("model", "empty: send the TorchScript file's bytes");
-  if (options.preparer.empty()) return PrepareHere(spec, dir, [](absl::string_view) {});
+  if (options.preparer.empty()) return PrepareHere(spec, dir, [](absl::string_view) {}, options.whole);
   return PrepareInChild(spec, dir, options);
 }
 
-int RunPreparationChild(const std::string& dir) {
+int RunPreparationChild(const std::string& dir, bool whole) {
   log::Init("prepare", log::Level::kOff);
   EnterChild(HeapCap(dir));
   JobSpec spec;
@@ -349,7 +427,7 @@ int RunPreparationChild(const std::string& dir) {
     phase = std::string(p);
     AnnouncePhase(p);
   };
-  absl::StatusOr<PreparedJob> prepared = s.ok() ? PrepareHere(spec, dir, announce) : s;
+  absl::StatusOr<PreparedJob> prepared = s.ok() ? PrepareHere(spec, dir, announce, whole) : s;
   if (prepared.ok()) s = WriteMessage(prepared->plan, dir + kPlanFile);
   if (prepared.ok() && s.ok()) s = WriteMessage(prepared->layout, dir + kLayoutFile);
   if (!prepared.ok()) s = prepared.status();

@@ -46,6 +46,9 @@ struct PrepareOptions {
   absl::Duration probe_timeout = absl::Minutes(2);  // the model's forward passes
   // Polled while the child runs: true stops it (the coordinator is stopping).
   std::function<bool()> cancelled;
+  // Load the model whole even where the record-by-record path would do (tests that
+  // compare the two).
+  bool whole = false;
 };
 
 // `dir` holds model.pt and (unless the spec asks for synthetic data) data.pt; the
@@ -57,10 +60,11 @@ struct PrepareOptions {
 absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& spec, const std::string& dir,
                                        const PrepareOptions& options = {});
 
-// The child's side: `BINARY --prepare DIR`. Exit 0 with the files written; else the
-// error reported (child_process.h) and exit 3.
+// The child's side: `BINARY --prepare DIR [--whole]`. Exit 0 with the files written;
+// else the error reported (child_process.h) and exit 3.
 inline constexpr char kPrepareFlag[] = "--prepare";
-int RunPreparationChild(const std::string& dir);
+inline constexpr char kWholeFlag[] = "--whole";
+int RunPreparationChild(const std::string& dir, bool whole);
 
 }  // namespace pippy::coordinator
 

@@ -227,8 +227,8 @@ int Serve(const Flags& f) {
 int main(int argc, char** argv) {
   using namespace pippy;
   // The children that prepare a submission and merge a trained model (child_process.h).
-  if (argc == 3 && std::string(argv[1]) == coordinator::kPrepareFlag) {
-    return coordinator::RunPreparationChild(argv[2]);
+  if ((argc == 3 || argc == 4) && std::string(argv[1]) == coordinator::kPrepareFlag) {
+    return coordinator::RunPreparationChild(argv[2], argc == 4 && std::string(argv[3]) == coordinator::kWholeFlag);
   }
   if (argc == 4 && std::string(argv[1]) == coordinator::kMergeFlag) {
     return coordinator::RunMergeChild(argv[2], std::atoi(argv[3]));

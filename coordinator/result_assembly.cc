@@ -33,11 +33,11 @@ absl::Status MergeInChild(const std::string& dir, int stages, const AssembleOpti
   spec.timeout = options.timeout;
   spec.cancelled = options.cancelled;
   const ChildResult r = RunChild(spec);
+  if (r.ending == Ending::kExited && r.exit_code == 0) {
+    log::Info("merged the trained stages in a child process (its peak resident memory {} MiB)", r.peak_rss_bytes >> 20);
+  }
+  if (std::optional<absl::Status> plain = PlainEnding(r, "merging the trained stages")) return *plain;
   switch (r.ending) {
-    case Ending::kNotStarted:
-      return absl::UnavailableError(absl::StrCat("merging the trained stages: ", r.start_error));
-    case Ending::kCancelled:
-      return absl::UnavailableError("the coordinator stopped while merging the trained stages");
     case Ending::kTimedOut:
     case Ending::kPhaseTimedOut:
       return absl::InvalidArgumentError(absl::StrCat("merging the trained stages did not finish within ",
@@ -46,17 +46,9 @@ absl::Status MergeInChild(const std::string& dir, int stages, const AssembleOpti
       return absl::InvalidArgumentError(absl::StrCat("LibTorch crashed (signal ", r.signal, ", ", strsignal(r.signal),
                                                      ") merging the trained stages: a stage file a worker sent is "
                                                      "corrupt"));
-    case Ending::kExited:
-      if (r.exit_code == 0) {
-        log::Info("merged the trained stages in a child process (its peak resident memory {} MiB)",
-                  r.peak_rss_bytes >> 20);
-        return absl::OkStatus();
-      }
-      if (r.has_error) return r.error;
-      return absl::UnavailableError(absl::StrCat("the merging process exited with status ", r.exit_code,
-                                                 " without saying why; is the merger a pippy-coordinator binary?"));
+    default:
+      return absl::InternalError("unreachable: PlainEnding words the other endings");
   }
-  return absl::InternalError("unreachable");
 }
 
 }  // namespace

@@ -158,18 +158,17 @@ absl::Status BuildPipe(const ModelGraph& mg, const std::vector<int>& cuts, bool 
 // Runs the stages in sequence on copies (so buffers of the result stay untouched) and
 // records shapes and bytes of everything that flows. Returns per-stage forward times (µs).
 absl::StatusOr<std::vector<double>> RunExample(Pipe* pipe, const std::vector<c10::IValue>& inputs,
-                                              int repeats) {
-  return TorchCall("running the example input through the stages",
+                                              int repeats, const StageHooks& hooks, c10::IValue* output) {
+  absl::Status hook_error;
+  absl::StatusOr<std::vector<double>> ran = TorchCall("running the example input through the stages",
                    [&]() -> absl::StatusOr<std::vector<double>> {
     PipelinePlan& plan = pipe->plan;
     for (int i = 0; i < plan.inputs_size(); ++i) {
       if (inputs[i].isTensor()) FillMeta(inputs[i].toTensor(), plan.mutable_inputs(i)->mutable_example());
     }
     // The stages themselves run (no copies: a copy of every stage is a copy of the
-    // model); what a forward may change, the buffers, is put back afterwards.
+    // model); what a forward may change, the buffers, is put back after each.
     std::vector<torch::jit::Module>& copies = pipe->stages;
-    std::vector<BufferSnapshot> restore;
-    for (const auto& s : copies) restore.emplace_back(s);
     std::vector<double> times(copies.size(), 1e300);
     torch::NoGradGuard no_grad;
     for (int r = 0; r < repeats; ++r) {
@@ -184,11 +183,20 @@ absl::StatusOr<std::vector<double>> RunExample(Pipe* pipe, const std::vector<c10
           if (v.isTensor()) FillMeta(v.toTensor(), si.mutable_example());
           args.push_back(v);
         }
-        auto start = std::chrono::steady_clock::now();
-        c10::IValue result = copies[s].forward(args);
-        double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
-        times[s] = std::min(times[s], us);
+        if (hooks.before) hook_error = hooks.before(static_cast<int>(s), copies[s]);
+        if (!hook_error.ok()) return hook_error;
+        c10::IValue result;
+        {
+          BufferSnapshot restore(copies[s]);
+          auto start = std::chrono::steady_clock::now();
+          result = copies[s].forward(args);
+          double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
+          times[s] = std::min(times[s], us);
+        }
+        if (hooks.after) hook_error = hooks.after(static_cast<int>(s), copies[s]);
+        if (!hook_error.ok()) return hook_error;
         if (sp->is_last()) {
+          if (output != nullptr) *output = result;
           outs[s] = {result};
           if (result.isTensor()) FillMeta(result.toTensor(), sp->mutable_outputs(0)->mutable_example());
           if (result.isTensor()) FillMeta(result.toTensor(), plan.mutable_output()->mutable_example());
@@ -208,6 +216,9 @@ absl::StatusOr<std::vector<double>> RunExample(Pipe* pipe, const std::vector<c10
     }
     return times;
   });
+  // A hook's error as the hook said it, not as a LibTorch failure of the run.
+  if (!hook_error.ok()) return hook_error;
+  return ran;
 }
 
 }  // namespace pippy::partition

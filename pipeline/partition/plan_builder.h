@@ -5,6 +5,7 @@
 #ifndef PIPPY_PIPELINE_PARTITION_PLAN_BUILDER_H_
 #define PIPPY_PIPELINE_PARTITION_PLAN_BUILDER_H_
 
+#include <functional>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -22,7 +23,16 @@ absl::Status BuildPipe(const ModelGraph& mg, const std::vector<int>& cuts, bool 
 // times and records the shapes and bytes of every input, output and message in the
 // plan. Returns each stage's fastest forward time (microseconds).
 // Errors: INVALID_ARGUMENT when the input does not fit.
-absl::StatusOr<std::vector<double>> RunExample(Pipe* pipe, const std::vector<c10::IValue>& inputs, int repeats);
+// Around each stage's forward: `before(s, stage)` first (its buffers are read and it
+// runs only after), `after(s, stage)` once it ran and its buffers are back; an error
+// of either stops the run and is returned as it is. For stages whose tensors hold
+// their data only when asked (torchio/model_records.h).
+struct StageHooks {
+  std::function<absl::Status(int, const torch::jit::Module&)> before, after;
+};
+// `output` (if given) gets the last stage's output of the last repeat.
+absl::StatusOr<std::vector<double>> RunExample(Pipe* pipe, const std::vector<c10::IValue>& inputs, int repeats,
+                                               const StageHooks& hooks = {}, c10::IValue* output = nullptr);
 
 }  // namespace pippy::partition
 

@@ -123,7 +123,8 @@ absl::Status CheckStorageAllocation(const at::Tensor& t, const std::string& wher
 // Loads through `load` (from a file or from memory) and turns LibTorch's errors into
 // messages that say what the file is and what to do.
 absl::StatusOr<torch::jit::Module> LoadArchive(const std::string& name, absl::string_view head, uint64_t size,
-                                               const std::function<torch::jit::Module()>& load) {
+                                               const std::function<torch::jit::Module()>& load,
+                                               bool check_allocations = true) {
   if (size == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("'", name, "' is empty, not a TorchScript archive: ", kHowToSave));
@@ -155,7 +156,7 @@ absl::StatusOr<torch::jit::Module> LoadArchive(const std::string& name, absl::st
   for (const auto& a : loaded->named_attributes(/*recurse=*/true)) {
     if (!a.value.isTensor()) continue;
     const std::string where = absl::StrCat("'", name, "': ", a.name);
-    PIPPY_RETURN_IF_ERROR(CheckStorageAllocation(a.value.toTensor(), where));
+    if (check_allocations) PIPPY_RETURN_IF_ERROR(CheckStorageAllocation(a.value.toTensor(), where));
     PIPPY_RETURN_IF_ERROR(CheckTensorsInStorage(a.value, where));
   }
   return loaded;
@@ -183,6 +184,13 @@ absl::StatusOr<torch::jit::Module> LoadModel(const std::string& path) {
 absl::StatusOr<torch::jit::Module> LoadModelFromBytes(absl::string_view bytes, const std::string& name) {
   return LoadArchive(name, bytes, bytes.size(),
                      [&] { return LoadReportingSafely([&] { return std::make_shared<ViewReadAdapter>(bytes); }); });
+}
+
+absl::StatusOr<torch::jit::Module> LoadSkeletonFromBytes(absl::string_view bytes, const std::string& name) {
+  return LoadArchive(
+      name, bytes, bytes.size(),
+      [&] { return LoadReportingSafely([&] { return std::make_shared<ViewReadAdapter>(bytes); }); },
+      /*check_allocations=*/false);
 }
 
 absl::Status WriteModule(const torch::jit::Module& module,

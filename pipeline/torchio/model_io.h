@@ -27,6 +27,11 @@ absl::StatusOr<torch::jit::Module> LoadModel(const std::string& path);
 // messages. `bytes` must outlive the call only.
 absl::StatusOr<torch::jit::Module> LoadModelFromBytes(absl::string_view bytes, const std::string& name);
 
+// As LoadModelFromBytes, for a skeleton archive (model_records.h) whose storage records
+// are shorter than their tensors on purpose: their allocations are not checked against
+// the pickle's claims (ModelRecords checks the real records as it reads them).
+absl::StatusOr<torch::jit::Module> LoadSkeletonFromBytes(absl::string_view bytes, const std::string& name);
+
 // Writes `module` as a TorchScript archive (what module.save writes) through `sink`,
 // piece by piece, without holding the archive in memory. A sink error stops the
 // write and is returned. Errors: INTERNAL from LibTorch's serializer.

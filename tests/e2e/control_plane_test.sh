@@ -30,17 +30,19 @@ class Hang(torch.nn.Module):  # a forward that never returns
         while bool(y.sum() > -1e30):
             y = y * 1.0
         return self.b(y)
-class Hog(torch.nn.Module):  # a forward that allocates 512 MiB after 512 MiB, kept
+class Hoard(torch.nn.Module):  # a forward that allocates 512 MiB after 512 MiB, kept
+    def forward(self, y):
+        held: List[torch.Tensor] = []
+        for i in range(100000):
+            held.append(torch.zeros(1 << 27) + y.sum())  # depends on the input: not folded
+            y = y + held[-1][i]
+        return y + float(len(held))
+class Hog(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        self.a, self.h, self.b = torch.nn.Linear(16, 16), Hoard(), torch.nn.Linear(16, 16)
     def forward(self, x):
-        held: List[torch.Tensor] = []
-        y = self.a(x)
-        for i in range(100000):
-            held.append(torch.ones(1 << 27))
-            y = y + held[-1][i]
-        return self.b(y) + float(len(held))
+        return self.b(self.h(self.a(x)))
 torch.jit.script(Hang()).save(f"{tmp}/hang.pt")
 torch.jit.script(Hog()).save(f"{tmp}/hog.pt")
 torch.save({"inputs": torch.randn(64, 16), "targets": torch.randn(64, 16)}, f"{tmp}/small.data.pt")
@@ -52,6 +54,17 @@ torch.save({"inputs": torch.randn(8, 4096), "targets": torch.randn(8, 4096)}, f"
 PY
 /usr/bin/python3 "$TMP/make_models.py" "$TMP"
 [ -s "$TMP/big.pt" ] || { bad "the test's models were not made"; finish; exit 1; }
+
+# The coordinator's child preparing a submission (waits up to 10 s for it to start).
+preparing_child() {
+  local c=""
+  for _ in $(seq 200); do
+    c=$(pgrep -P "$coord_pid" -f -- "--prepare" | head -1)
+    [ -n "$c" ] && break
+    sleep 0.05
+  done
+  echo "$c"
+}
 
 start_coordinator 0 --probe-timeout-s 3 --prepare-timeout-s 120
 ctl() { "$PIPPYCTL" --coordinator "$ADDR" "$@"; }
@@ -66,12 +79,7 @@ wait_idle 2 && ok "2 workers registered" || bad "2 workers registered: $(idle_wo
 #    the coordinator answers health and ListJobs.
 ctl submit "$TMP/hang.pt" --data "$TMP/small.data.pt" "${SPEC[@]}" > "$TMP/hang.out" 2>&1 &
 submit=$!
-child=""
-for _ in $(seq 100); do
-  child=$(pgrep -P "$coord_pid" -f -- "--prepare" | head -1)
-  [ -n "$child" ] && break
-  sleep 0.05
-done
+child=$(preparing_child)
 during=$( [ -n "$child" ] && ctl health 2>&1 && ctl list > /dev/null 2>&1 && echo answered)
 wait "$submit"
 rc=$?
@@ -137,12 +145,7 @@ kill "$coord_pid"; wait "$coord_pid" 2>/dev/null
 start_coordinator "$PORT" --probe-timeout-s 120
 ctl submit "$TMP/hang.pt" --data "$TMP/small.data.pt" "${SPEC[@]}" > "$TMP/hang2.out" 2>&1 &
 submit=$!
-child=""
-for _ in $(seq 200); do
-  child=$(pgrep -P "$coord_pid" -f -- "--prepare" | head -1)
-  [ -n "$child" ] && break
-  sleep 0.05
-done
+child=$(preparing_child)
 sleep 1  # into the forward
 gone() { [ ! -e "/proc/$1" ] || grep -q "^State:.*Z" "/proc/$1/status" 2>/dev/null; }
 kill -TERM "$coord_pid"
