@@ -5,12 +5,14 @@
 #include "coordinator/job_preparation.h"
 
 #include <filesystem>
+#include <map>
 #include <fstream>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "pipeline/partition/merge.h"
 #include "pipeline/partition/pipe.h"
 #include "pipeline/partition/plan_builder.h"
 #include "pipeline/stage/data_source.h"
@@ -156,6 +158,62 @@ TEST(JobPreparationTest, ByRecords_RefusesAStorageRecordShorterThanItsTensor_Nam
   EXPECT_NE(r.status().message().find("the archive claims"), absl::string_view::npos) << r.status();
   EXPECT_NE(r.status().message().find("but holds only 8"), absl::string_view::npos) << r.status();
   EXPECT_FALSE(fs::exists(dir + "/stage_0.pt"));  // refused before any stage was written
+}
+
+}  // namespace
+}  // namespace pippy::coordinator
+
+namespace pippy::coordinator {
+namespace {
+
+TEST(JobPreparationTest, MergeByRecords_EqualsTheWholeMerge) {
+  torch::jit::setGraphExecutorOptimize(false);
+  for (const std::string model : {"mlp", "cnn_bn", "gpt"}) {
+    const std::string dir = Folder(absl::StrCat("merge_", model), model);
+    JobSpec spec;
+    spec.mutable_split()->set_stages(2);
+    spec.mutable_schedule()->set_kind(SCHEDULE_INFERENCE);
+    spec.mutable_schedule()->set_microbatches(2);
+    spec.set_mode(MODE_INFERENCE);
+    spec.set_steps(1);
+    spec.set_batch_size(4);
+    ASSERT_TRUE(PrepareJob(spec, dir).ok()) << model;
+    // "Trained" stages: every parameter and buffer doubled.
+    std::map<int, std::string> results;
+    for (int s = 0; s < 2; ++s) {
+      auto stage = torchio::LoadModel(absl::StrCat(dir, "/stage_", s, ".pt"));
+      ASSERT_TRUE(stage.ok());
+      torch::NoGradGuard no_grad;
+      for (const auto& p : stage->named_parameters(true)) p.value.mul_(2);
+      for (const auto& b : stage->named_buffers(true)) {
+        if (b.value.is_floating_point()) b.value.mul_(2);
+      }
+      results[s] = absl::StrCat(dir, "/result_", s, ".pt");
+      ASSERT_TRUE(torchio::SaveModule(*stage, results[s]).ok());
+    }
+    ASSERT_TRUE(partition::MergeStagesByRecords(dir + "/model.pt", results, dir + "/by_records.pt").ok()) << model;
+    ASSERT_TRUE(partition::MergeStagesIntoModel(dir + "/model.pt", results, dir + "/whole.pt").ok()) << model;
+    auto a = torchio::LoadModel(dir + "/by_records.pt");
+    auto b = torchio::LoadModel(dir + "/whole.pt");
+    auto original = torchio::LoadModel(dir + "/model.pt");
+    ASSERT_TRUE(a.ok() && b.ok() && original.ok()) << model;
+    std::map<std::string, at::Tensor> tb, to;
+    for (const auto& x : b->named_attributes(true)) {
+      if (x.value.isTensor()) tb[x.name] = x.value.toTensor();
+    }
+    for (const auto& x : original->named_parameters(true)) to[x.name] = x.value;
+    int params = 0;
+    for (const auto& x : a->named_attributes(true)) {
+      if (!x.value.isTensor()) continue;
+      ASSERT_TRUE(tb.count(x.name)) << model << " " << x.name;
+      EXPECT_TRUE(torch::equal(x.value.toTensor(), tb[x.name])) << model << " " << x.name;
+      if (to.count(x.name)) {
+        EXPECT_TRUE(torch::equal(x.value.toTensor(), to[x.name] * 2)) << model << " " << x.name;
+        ++params;
+      }
+    }
+    EXPECT_EQ(params, static_cast<int>(to.size())) << model;
+  }
 }
 
 }  // namespace

@@ -23,6 +23,9 @@ std::string AssembledIn(const std::string& dir) { return dir + "/assembled.pt"; 
 absl::Status MergeHere(const std::string& dir, int stages) {
   std::map<int, std::string> results;
   for (int st = 0; st < stages; ++st) results[st] = ResultIn(dir, st);
+  // Record by record where the model's tensors each own their storage; else whole.
+  absl::Status merged = partition::MergeStagesByRecords(ModelIn(dir), results, AssembledIn(dir));
+  if (!absl::IsUnimplemented(merged)) return merged;
   return partition::MergeStagesIntoModel(ModelIn(dir), results, AssembledIn(dir));
 }
 

@@ -20,6 +20,15 @@ namespace pippy::partition {
 absl::Status MergeStagesIntoModel(const std::string& model_path, const std::map<int, std::string>& stage_paths,
                                   const std::string& out_path);
 
+// The same result written record by record (torchio/model_records.h): the submitted
+// archive's code and pickles copied as they are, each storage record written from the
+// trained stage that holds its tensor (one stage loaded at a time) or copied from the
+// archive. Memory: the largest stage plus one record. Errors as MergeStagesIntoModel's;
+// UNIMPLEMENTED when the model's tensors do not each own a whole storage of their own
+// (views, offsets, non-contiguous layouts): merge those with MergeStagesIntoModel.
+absl::Status MergeStagesByRecords(const std::string& model_path, const std::map<int, std::string>& stage_paths,
+                                  const std::string& out_path);
+
 }  // namespace pippy::partition
 
 #endif  // PIPPY_PIPELINE_PARTITION_MERGE_H_

@@ -166,6 +166,12 @@ absl::StatusOr<std::unique_ptr<ModelRecords>> ModelRecords::Open(const std::stri
   return r;
 }
 
+int64_t ModelRecords::KeyOf(const at::Tensor& t) const {
+  if (!t.defined() || !t.has_storage()) return -1;
+  auto it = key_of_.find(t.storage().unsafeGetStorageImpl());
+  return it == key_of_.end() ? -1 : it->second;
+}
+
 absl::Status ModelRecords::Materialize(const torch::jit::Module& module) {
   return TorchCall(absl::StrCat("reading the tensors of '", name_, "'"), [&]() -> absl::Status {
     for (auto& [tensor_name, t] : TensorsOf(module)) {

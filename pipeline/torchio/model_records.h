@@ -57,6 +57,11 @@ class ModelRecords {
   // Bytes of the records materialized now.
   int64_t materialized_bytes() const { return materialized_bytes_; }
 
+  // The record key behind a skeleton tensor's storage (-1: none, e.g. empty).
+  int64_t KeyOf(const at::Tensor& skeleton_tensor) const;
+  // The archive as it was uploaded, to copy records from.
+  caffe2::serialize::PyTorchStreamReader& reader() { return *reader_; }
+
  private:
   ModelRecords() = default;
 
