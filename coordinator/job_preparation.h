@@ -6,14 +6,21 @@
 //
 // All of it but the spec check runs in a child process (child_process.h): the
 // coordinator's own process never loads a submitted model, never holds its tensors and
-// never runs its code. The child reads the folder, writes the stage files, the shares
-// and the prepared spec, plan and layout (prepared_spec.pb, plan.pb, layout.pb) beside
-// them, and exits; the coordinator reads those three small files. The child's heap is
-// capped (2 GiB + 4 x the model and data files), the model's forward (the shape probe,
-// the loss check, the split's stage forwards, --balance time) is bounded by
-// `probe_timeout`, the whole child by `timeout`; a crash, a hang, an allocation past the
-// cap fail that submission only. Memory: the child holds one copy of the model (the
-// stages share its tensors), one micro-batch of activations and the data.
+// never runs its code. The child reads the folder, writes the stage files, the shares,
+// the plan and the layout (plan.pb, layout.pb) beside them, and exits; the coordinator
+// reads those small files. The child's heap is capped (2 GiB + 4 x the model and data
+// files, or less if the coordinator itself runs under a lower cap), the model's forward
+// (each stage's on the example micro-batch, the loss check, --balance time) is bounded
+// by `probe_timeout`, the whole child by `timeout`; a crash, a hang, an allocation past
+// the cap fail that submission only.
+//
+// The child splits record by record (torchio/model_records.h): a skeleton of the model
+// (code and tensor metadata, no tensor data) is split, then one stage at a time reads
+// its storage records, runs the example micro-batch and is written out. Memory: the
+// code, the largest stage, one micro-batch's activations and the data. The whole model
+// is loaded instead for --balance flops or time and --loss model (they run the whole
+// model) and for archives whose storage records are not numbered as torch.jit.save
+// numbers them; the log says so.
 #ifndef PIPPY_COORDINATOR_JOB_PREPARATION_H_
 #define PIPPY_COORDINATOR_JOB_PREPARATION_H_
 

@@ -6,7 +6,8 @@
 # SERVING and the coordinator answers; a normal job submitted after them trains and is
 # fetched; the coordinator's own peak memory stays below a 384 MiB model it trained;
 # pippyctl list pages and filters, pippyctl delete removes an ended job's files;
-# SIGTERM during a hanging preparation stops the coordinator and its child within 2 s.
+# SIGTERM during a hanging preparation stops the coordinator and its child within 2 s;
+# a coordinator capped at 900 MiB of heap trains and fetches a 1 GiB model.
 set -u
 PIPPYCTL="$PWD/client/pippyctl"
 COORD="$PWD/coordinator/pippy-coordinator"
@@ -51,6 +52,9 @@ torch.manual_seed(0)
 big = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(6)])
 torch.jit.script(big).save(f"{tmp}/big.pt")
 torch.save({"inputs": torch.randn(8, 4096), "targets": torch.randn(8, 4096)}, f"{tmp}/big.data.pt")
+# 16 x Linear(4096): 1 GiB, for a coordinator capped below that.
+huge = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(16)])
+torch.jit.script(huge).save(f"{tmp}/huge.pt")
 PY
 /usr/bin/python3 "$TMP/make_models.py" "$TMP"
 [ -s "$TMP/big.pt" ] || { bad "the test's models were not made"; finish; exit 1; }
@@ -160,5 +164,36 @@ if [ -n "$child" ] && [ -n "$stopped" ] && [ "$rc" != 0 ]; then
   ok "SIGTERM during a hanging preparation: coordinator and child stopped within ${stopped} ms; pippyctl: $(cut -c1-100 "$TMP/hang2.out")"
 else
   bad "SIGTERM: child '$child', stopped '${stopped}', submit exit $rc ($(cat "$TMP/hang2.out")); $(tail -3 "$TMP/coordinator.log")"
+fi
+
+# 5. A coordinator whose heap (and its children's: RLIMIT_DATA is inherited) is capped
+#    at 900 MiB splits, trains and fetches a 1 GiB model: its children read one stage's
+#    records at a time (the whole model, loaded, would not fit).
+TMP="$TMP/capped"
+mkdir -p "$TMP"
+cap=$((900 << 20))
+model_bytes=$(stat -c %s "$TMP/../huge.pt")
+prlimit --data="$cap" "$COORD" --bind 127.0.0.1 --port 0 --port-file "$TMP/port" --state-dir "$TMP/state" \
+  >> "$TMP/coordinator.log" 2>&1 &
+coord_pid=$!
+pids+=($coord_pid)
+for _ in $(seq 100); do [ -s "$TMP/port" ] && break; sleep 0.1; done
+ADDR="127.0.0.1:$(cat "$TMP/port")"
+for i in 0 1 2 3; do
+  "$WORKER" --coordinator "$ADDR" --name "c$i" --ucx-tls sm,self --wait-timeout-s 60 > "$TMP/w$i.log" 2>&1 &
+  pids+=($!)
+done
+wait_idle 4 || bad "4 workers registered with the capped coordinator: $(idle_workers) idle"
+ctl submit "$TMP/../huge.pt" --synthetic "inputs=float32[32,4096];targets=float32[32,4096];seed=0" --stages 4 \
+  --schedule gpipe --microbatches 2 --batch-size 8 --steps 1 --loss mse --optimizer sgd --wait > "$TMP/huge.out" 2> "$TMP/huge.err"
+rc=$?
+ctl fetch job-1 -o "$TMP/huge.trained.pt" > /dev/null 2>> "$TMP/huge.err"
+fetched=$(/usr/bin/python3 -c "import torch; m = torch.jit.load('$TMP/huge.trained.pt'); print(sum(p.numel() for p in m.parameters()))" 2>&1)
+limit=$(awk '/Max data size/{print $4}' "/proc/$coord_pid/limits")
+peaks=$(grep -o "in a child process.*peak resident memory [0-9]* MiB" "$TMP/coordinator.log" | grep -o "[0-9]* MiB" | tr '\n' ' ')
+if [ "$rc" = 0 ] && [ "$fetched" = "$((16 * (4096 * 4096 + 4096)))" ] && [ "$limit" = "$cap" ] && [ "$cap" -lt "$model_bytes" ]; then
+  ok "under a $((cap >> 20)) MiB heap cap a $((model_bytes >> 20)) MiB model trained and was fetched (children's peaks: ${peaks})"
+else
+  bad "capped coordinator: exit $rc, fetched '$fetched' parameters, limit '$limit' ($(tail -3 "$TMP/huge.err"); $(tail -3 "$TMP/coordinator.log"))"
 fi
 finish
