@@ -16,7 +16,8 @@ PLACING -> RUNNING beside `cp` of the largest stage file (same run).
 Budgets:
   worker        <= (k + 0.2) x its stages' parameter bytes + 400 MB   (k = 3 SGD, 4 Adam/AdamW)
   coordinator   <= 400 MiB + 2 x the model's largest tensor (flat in the model's size)
-  its children  <= 1.5 x model bytes + 300 MB (preparing; merging)
+  its children  <= the largest stage + 2 x the largest tensor + 400 MiB (preparing and
+                   merging record by record: one stage's records at a time)
   pippyctl      <= 150 MB, any model size
 
 usage: memory_bench.py --bin BAZEL_BIN [--layers 16] [--hidden 4096] [--workers 4]
@@ -201,7 +202,8 @@ torch.jit.script(torch.nn.Sequential(*layers)).save("{model}")
                  f"model {model_bytes / MB:.0f} MiB, largest tensor {largest_tensor / MB:.0f} MiB"))
     for kind, label in (("prepared", "its preparing child"), ("merged", "its merging child")):
         if kind in children:
-            rows.append((label, children[kind], 1.5 * model_bytes + 300 * MB, f"model {model_bytes / MB:.0f} MiB"))
+            rows.append((label, children[kind], largest_stage + 2 * largest_tensor + 400 * MB,
+                         f"largest stage {largest_stage / MB:.0f} MiB of a {model_bytes / MB:.0f} MiB model"))
     for i in range(a.workers):
         own = sum(stage_params[s] for s in stages_of.get(f"w{i}", []))
         rows.append((f"worker {i} (stages {','.join(map(str, stages_of.get(f'w{i}', [])))})", peaks[f"worker {i}"],

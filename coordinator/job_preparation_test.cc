@@ -131,20 +131,28 @@ TEST(JobPreparationTest, ByRecords_EqualsTheWholeModelsSplit_ForEveryZooModel) {
   EXPECT_GE(compared, 14);  // most models split 2, 3 and 4 ways
 }
 
-TEST(JobPreparationTest, ByRecords_RefusesAStorageRecordShorterThanItsTensor_NamingIt) {
-  // The zoo's MLP with one storage record cut to 8 bytes (the zip rewritten by Python).
-  const std::string dir = Folder("short_record", "mlp");
+// The zoo's MLP with its first storage record changed by `edit` (Python: the record's
+// bytes -> the bytes to write, or None to leave it out; "twice" writes it twice).
+absl::StatusOr<PreparedJob> PrepareEdited(const std::string& name, const std::string& edit) {
+  const std::string dir = Folder(name, "mlp");
   const std::string script = absl::StrCat(
-      "import zipfile,sys\n"
+      "import zipfile, warnings\n"
+      "warnings.simplefilter('ignore')\n"
       "src = zipfile.ZipFile('", dir, "/model.pt')\n"
       "names = src.namelist()\n"
       "victim = sorted(n for n in names if '/data/' in n and not n.endswith('.pkl'))[0]\n"
-      "with zipfile.ZipFile('", dir, "/cut.pt', 'w', zipfile.ZIP_STORED) as out:\n"
+      "with zipfile.ZipFile('", dir, "/edited.pt', 'w', zipfile.ZIP_STORED) as out:\n"
       "    for n in names:\n"
-      "        out.writestr(n, src.read(n)[:8] if n == victim else src.read(n))\n");
-  std::ofstream(dir + "/cut.py") << script;
-  ASSERT_EQ(std::system(absl::StrCat("/usr/bin/python3 ", dir, "/cut.py").c_str()), 0);
-  fs::rename(dir + "/cut.pt", dir + "/model.pt");
+      "        data = src.read(n)\n"
+      "        if n != victim:\n"
+      "            out.writestr(n, data)\n"
+      "            continue\n"
+      "        ", edit, "\n");
+  std::ofstream(dir + "/edit.py") << script;
+  if (std::system(absl::StrCat("/usr/bin/python3 ", dir, "/edit.py").c_str()) != 0) {
+    return absl::InternalError("the edit script failed");
+  }
+  fs::rename(dir + "/edited.pt", dir + "/model.pt");
   JobSpec spec;
   spec.mutable_split()->set_stages(2);
   spec.mutable_schedule()->set_kind(SCHEDULE_INFERENCE);
@@ -153,11 +161,27 @@ TEST(JobPreparationTest, ByRecords_RefusesAStorageRecordShorterThanItsTensor_Nam
   spec.set_steps(1);
   spec.set_batch_size(4);
   absl::StatusOr<PreparedJob> r = PrepareJob(spec, dir);
-  ASSERT_FALSE(r.ok());
-  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(r.status().message().find("the archive claims"), absl::string_view::npos) << r.status();
-  EXPECT_NE(r.status().message().find("but holds only 8"), absl::string_view::npos) << r.status();
-  EXPECT_FALSE(fs::exists(dir + "/stage_0.pt"));  // refused before any stage was written
+  EXPECT_FALSE(fs::exists(dir + "/stage_0.pt")) << name << ": a stage was written";
+  return r;
+}
+
+TEST(JobPreparationTest, ByRecords_RefusesBadStorageRecords_NamingThem_BeforeWritingAnyStage) {
+  struct Case {
+    std::string name, edit, want;
+  };
+  const std::vector<Case> cases = {
+      {"short", "out.writestr(n, data[:8])", "but holds only 8"},
+      {"missing", "pass", "failed locating file data/0"},
+      {"twice", "out.writestr(n, data); out.writestr(n, data)", "is listed twice"},
+  };
+  for (const Case& c : cases) {
+    absl::StatusOr<PreparedJob> r = PrepareEdited(absl::StrCat("bad_record_", c.name), c.edit);
+    ASSERT_FALSE(r.ok()) << c.name;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << c.name << ": " << r.status();
+    EXPECT_NE(r.status().message().find(c.want), absl::string_view::npos) << c.name << ": " << r.status();
+    EXPECT_NE(r.status().message().find("data/"), absl::string_view::npos) << c.name << ": names the record? "
+                                                                            << r.status();
+  }
 }
 
 }  // namespace

@@ -31,7 +31,9 @@ uint64_t Le(const unsigned char* p, int n) {
 // INVALID_ARGUMENT for a directory that does not parse or names a record twice.
 absl::StatusOr<std::map<std::string, uint64_t>> RecordSizes(const std::string& path, const std::string& name) {
   auto bad = [&](const std::string& why) {
-    return absl::InvalidArgumentError(absl::StrCat("'", name, "' is truncated or corrupt (", why, ")"));
+    return absl::InvalidArgumentError(absl::StrCat("'", name, "' is truncated or corrupt (", why,
+                                                   "): copy the file again, or save the model with "
+                                                   "torch.jit.script(model).save(path)"));
   };
   std::ifstream f(path, std::ios::binary);
   f.seekg(0, std::ios::end);
@@ -107,6 +109,10 @@ ModelRecords::~ModelRecords() = default;
 absl::StatusOr<std::unique_ptr<ModelRecords>> ModelRecords::Open(const std::string& path, const std::string& name) {
   std::unique_ptr<ModelRecords> r(new ModelRecords());
   r->name_ = name;
+  // The zip's directory first: a record listed twice is refused before anything reads it.
+  absl::StatusOr<std::map<std::string, uint64_t>> listed = RecordSizes(path, name);
+  if (!listed.ok()) return listed.status();
+  const std::map<std::string, uint64_t>& sizes = *listed;
   std::string skeleton;
   bool numbered = true;
   // The archive with each storage record replaced by the 8 bytes of its key.
@@ -139,7 +145,6 @@ absl::StatusOr<std::unique_ptr<ModelRecords>> ModelRecords::Open(const std::stri
     return absl::UnimplementedError(absl::StrCat("'", name, "' has storage records that are not numbered as "
                                                  "torch.jit.save numbers them"));
   }
-  PIPPY_ASSIGN_OR_RETURN(const auto sizes, RecordSizes(path, name));
   PIPPY_ASSIGN_OR_RETURN(r->skeleton_, LoadSkeletonFromBytes(skeleton, name));
   for (const auto& [tensor_name, t] : TensorsOf(r->skeleton_)) {
     const c10::Storage& s = t.storage();
@@ -160,7 +165,8 @@ absl::StatusOr<std::unique_ptr<ModelRecords>> ModelRecords::Open(const std::stri
     if (found->second < s.nbytes()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "'", name, "': ", tensor_name, ": the archive claims ", s.nbytes(), " bytes for this tensor's storage but "
-          "holds only ", found->second, " (corrupt archive, or not written by torch.jit.save)"));
+          "holds only ", found->second, " in its record ", record, " (corrupt archive, or not written by "
+          "torch.jit.save)"));
     }
   }
   return r;
@@ -190,8 +196,8 @@ absl::Status ModelRecords::Materialize(const torch::jit::Module& module) {
         if (n < skeleton.nbytes()) {
           return absl::InvalidArgumentError(absl::StrCat(
               "'", name_, "': ", name_of_.at(key), ": the archive claims ", skeleton.nbytes(),
-              " bytes for this tensor's storage but holds only ", n, " (corrupt archive, or not written by "
-              "torch.jit.save)"));
+              " bytes for this tensor's storage but holds only ", n, " in its record ", record,
+              " (corrupt archive, or not written by torch.jit.save)"));
         }
         c10::Storage real(c10::Storage::use_byte_size_t(), skeleton.nbytes(), std::move(bytes), nullptr, false);
         lent = lent_.emplace(key, real).first;
