@@ -35,6 +35,18 @@ std::string Folder(const std::string& name, const std::string& model) {
   return dir;
 }
 
+// A forward-only job of `stages` stages, 2 micro-batches of 2 rows (a loss-free split).
+JobSpec InferenceSpec(int stages) {
+  JobSpec spec;
+  spec.mutable_split()->set_stages(stages);
+  spec.mutable_schedule()->set_kind(SCHEDULE_INFERENCE);
+  spec.mutable_schedule()->set_microbatches(2);
+  spec.set_mode(MODE_INFERENCE);
+  spec.set_steps(1);
+  spec.set_batch_size(4);
+  return spec;
+}
+
 // The stages in `dir` (as prepared) run on the job's first micro-batch: the output.
 c10::IValue RunStages(const std::string& dir, const PipelinePlan& plan, const JobSpec& spec) {
   partition::Pipe pipe;
@@ -80,14 +92,8 @@ TEST(JobPreparationTest, ByRecords_EqualsTheWholeModelsSplit_ForEveryZooModel) {
   for (const std::string model : {"mlp", "mlp_marked", "cnn_bn", "gpt", "iface", "multi", "unet"}) {
     for (int k : {2, 3, 4}) {
       const std::string what = absl::StrCat(model, ", ", k, " stages");
-      JobSpec spec;
+      JobSpec spec = InferenceSpec(k);
       spec.set_name(model);
-      spec.mutable_split()->set_stages(k);
-      spec.mutable_schedule()->set_kind(SCHEDULE_INFERENCE);
-      spec.mutable_schedule()->set_microbatches(2);
-      spec.set_mode(MODE_INFERENCE);
-      spec.set_steps(1);
-      spec.set_batch_size(4);
       const std::string a = Folder(absl::StrCat(model, k, "_records"), model);
       const std::string b = Folder(absl::StrCat(model, k, "_whole"), model);
       PrepareOptions whole;
@@ -153,14 +159,7 @@ absl::StatusOr<PreparedJob> PrepareEdited(const std::string& name, const std::st
     return absl::InternalError("the edit script failed");
   }
   fs::rename(dir + "/edited.pt", dir + "/model.pt");
-  JobSpec spec;
-  spec.mutable_split()->set_stages(2);
-  spec.mutable_schedule()->set_kind(SCHEDULE_INFERENCE);
-  spec.mutable_schedule()->set_microbatches(2);
-  spec.set_mode(MODE_INFERENCE);
-  spec.set_steps(1);
-  spec.set_batch_size(4);
-  absl::StatusOr<PreparedJob> r = PrepareJob(spec, dir);
+  absl::StatusOr<PreparedJob> r = PrepareJob(InferenceSpec(2), dir);
   EXPECT_FALSE(fs::exists(dir + "/stage_0.pt")) << name << ": a stage was written";
   return r;
 }
@@ -194,14 +193,7 @@ TEST(JobPreparationTest, MergeByRecords_EqualsTheWholeMerge) {
   torch::jit::setGraphExecutorOptimize(false);
   for (const std::string model : {"mlp", "cnn_bn", "gpt"}) {
     const std::string dir = Folder(absl::StrCat("merge_", model), model);
-    JobSpec spec;
-    spec.mutable_split()->set_stages(2);
-    spec.mutable_schedule()->set_kind(SCHEDULE_INFERENCE);
-    spec.mutable_schedule()->set_microbatches(2);
-    spec.set_mode(MODE_INFERENCE);
-    spec.set_steps(1);
-    spec.set_batch_size(4);
-    ASSERT_TRUE(PrepareJob(spec, dir).ok()) << model;
+    ASSERT_TRUE(PrepareJob(InferenceSpec(2), dir).ok()) << model;
     // "Trained" stages: every parameter and buffer doubled.
     std::map<int, std::string> results;
     for (int s = 0; s < 2; ++s) {

@@ -227,11 +227,19 @@ int Serve(const Flags& f) {
 int main(int argc, char** argv) {
   using namespace pippy;
   // The children that prepare a submission and merge a trained model (child_process.h).
+  // They end with _Exit once their files are closed: no static destructors (LibTorch's
+  // thread pools among them) can keep a finished child from exiting, which its parent
+  // would wait for until the child's deadline.
   if ((argc == 3 || argc == 4) && std::string(argv[1]) == coordinator::kPrepareFlag) {
-    return coordinator::RunPreparationChild(argv[2], argc == 4 && std::string(argv[3]) == coordinator::kWholeFlag);
+    const int code =
+        coordinator::RunPreparationChild(argv[2], argc == 4 && std::string(argv[3]) == coordinator::kWholeFlag);
+    std::fflush(nullptr);
+    std::_Exit(code);
   }
   if (argc == 4 && std::string(argv[1]) == coordinator::kMergeFlag) {
-    return coordinator::RunMergeChild(argv[2], std::atoi(argv[3]));
+    const int code = coordinator::RunMergeChild(argv[2], std::atoi(argv[3]));
+    std::fflush(nullptr);
+    std::_Exit(code);
   }
   CLI::App app("Splits submitted TorchScript models into pipeline stages, places them on pippy-worker "
                "daemons and follows the jobs (docs/api.md).",

@@ -27,13 +27,13 @@ uint64_t Le(const unsigned char* p, int n) {
 }
 
 // Each record's size by name (without the archive's top folder), from the zip's
-// central directory (zip64 too), read without reading the records. Errors:
-// INVALID_ARGUMENT for a directory that does not parse or names a record twice.
+// central directory (zip64 too), read without reading the records. Errors: UNKNOWN for
+// a directory that does not parse; INVALID_ARGUMENT for a record named twice.
 absl::StatusOr<std::map<std::string, uint64_t>> RecordSizes(const std::string& path, const std::string& name) {
+  // A directory that does not parse (not a zip, truncated): UNKNOWN, for the whole
+  // loader to say what the file is; a record listed twice: refused here.
   auto bad = [&](const std::string& why) {
-    return absl::InvalidArgumentError(absl::StrCat("'", name, "' is truncated or corrupt (", why,
-                                                   "): copy the file again, or save the model with "
-                                                   "torch.jit.script(model).save(path)"));
+    return absl::UnknownError(absl::StrCat("'", name, "': ", why));
   };
   std::ifstream f(path, std::ios::binary);
   f.seekg(0, std::ios::end);
@@ -85,7 +85,11 @@ absl::StatusOr<std::map<std::string, uint64_t>> RecordSizes(const std::string& p
     }
     const size_t slash = record.find('/');
     if (slash != std::string::npos) record = record.substr(slash + 1);
-    if (!out.emplace(record, record_size).second) return bad(absl::StrCat("the record ", record, " is listed twice"));
+    if (!out.emplace(record, record_size).second) {
+      return absl::InvalidArgumentError(absl::StrCat("'", name, "' is corrupt (the record ", record,
+                                                     " is listed twice): copy the file again, or save the model "
+                                                     "with torch.jit.script(model).save(path)"));
+    }
     at += 46 + name_len + extra_len + comment_len;
   }
   return out;
