@@ -486,8 +486,10 @@ void ServingQueue::OnResult(const ServeResult& result) {
       a.status = merged;
       impl_->Complete(r, std::move(a), &calls);
     }
-  } else if (result.aborted() && live.size() > 1) {
-    // One of them does not fit the model: each goes again alone.
+  } else if (result.aborted() && (live.size() > 1 || (live.size() == 1 && !live[0]->solo))) {
+    // One of them does not fit the model: each goes again alone. A single live request
+    // that was not alone goes again too: the culprit may be a stale segment of a request
+    // already sent alone (split over two micro-batches), not this one.
     for (auto& r : live) {
       ++r->generation;
       r->solo = true;
