@@ -66,6 +66,13 @@ ChildResult RunChild(const ChildSpec& spec);
 std::optional<absl::Status> PlainEnding(const ChildResult& result, absl::string_view doing);
 
 // ---- the child's side ----
+// The heap a child that loads files of `file_bytes` in all may use: LibTorch itself
+// with room to spare, plus the files a few times over (a model, its stages' graphs,
+// the data). kChildHeapFactor is named in messages.
+inline constexpr uint64_t kChildHeapBase = uint64_t{2} << 30;
+inline constexpr uint64_t kChildHeapFactor = 4;
+inline uint64_t ChildHeapCap(uint64_t file_bytes) { return kChildHeapBase + kChildHeapFactor * file_bytes; }
+
 // Dies with the parent; caps the heap (RLIMIT_DATA: brk and private writable mappings,
 // so LibTorch's allocations) at `heap_bytes` (0: no cap); stdout unbuffered by lines.
 void EnterChild(uint64_t heap_bytes);

@@ -51,20 +51,15 @@ absl::Status Bad(absl::string_view field, absl::string_view what) {
 // Where the preparation says which phase it is in (child_process.h: AnnouncePhase).
 using Phase = std::function<void(absl::string_view)>;
 
-// The preparing child's heap cap: LibTorch itself with room to spare, plus the model,
-// its stages' graphs and the data a few times over.
-constexpr uint64_t kHeapBase = uint64_t{2} << 30;
-constexpr uint64_t kHeapFactor = 4;
-
 uint64_t InputBytes(const std::string& dir) {
   uint64_t n = 0;
   for (const char* f : {"/model.pt", "/data.pt"}) n += static_cast<uint64_t>(std::max<int64_t>(0, ArtifactStore::FileSize(dir + f)));
   return n;
 }
-uint64_t HeapCap(const std::string& dir) { return kHeapBase + kHeapFactor * InputBytes(dir); }
+uint64_t HeapCap(const std::string& dir) { return ChildHeapCap(InputBytes(dir)); }
 
 std::string HeapCapText(const std::string& dir) {
-  return absl::StrCat("the preparation may use ", HeapCap(dir) >> 20, " MiB: 2 GiB plus ", kHeapFactor,
+  return absl::StrCat("the preparation may use ", HeapCap(dir) >> 20, " MiB: 2 GiB plus ", kChildHeapFactor,
                       " x the model and data files");
 }
 
@@ -388,7 +383,6 @@ absl::StatusOr<PreparedJob> PrepareInChild(const JobSpec& spec, const std::strin
   PIPPY_RETURN_IF_ERROR(ChildStatus(r, dir));
   PreparedJob out;
   out.spec = spec;
-  out.child_peak_bytes = r.peak_rss_bytes;
   PIPPY_RETURN_IF_ERROR(ReadMessage(dir + kPlanFile, &out.plan));
   PIPPY_RETURN_IF_ERROR(ReadMessage(dir + kLayoutFile, &out.layout));
   for (int s = 0; s < out.plan.stages_size(); ++s) {

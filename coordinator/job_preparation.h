@@ -42,7 +42,6 @@ struct PreparedJob {
   JobLayout layout;             // made once here; stored with the job, pieces sent to the ranks
   std::vector<int64_t> share_bytes;  // by rank; the shares are written in the folder
   std::vector<int64_t> stage_bytes;  // by stage; the stage files are written in the folder
-  int64_t child_peak_bytes = 0;      // the preparing child's peak resident memory (0: in-process)
 };
 
 struct PrepareOptions {

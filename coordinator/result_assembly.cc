@@ -12,9 +12,6 @@
 namespace pippy::coordinator {
 namespace {
 
-constexpr uint64_t kHeapBase = uint64_t{2} << 30;
-constexpr uint64_t kHeapFactor = 4;
-
 // Paths as the files are named in a job's folder (artifact_store.h).
 std::string ModelIn(const std::string& dir) { return dir + "/model.pt"; }
 std::string ResultIn(const std::string& dir, int stage) { return absl::StrCat(dir, "/result_", stage, ".pt"); }
@@ -77,7 +74,7 @@ int RunMergeChild(const std::string& dir, int stages) {
   for (int st = 0; st < stages; ++st) {
     bytes += static_cast<uint64_t>(std::max<int64_t>(0, ArtifactStore::FileSize(ResultIn(dir, st))));
   }
-  EnterChild(kHeapBase + kHeapFactor * bytes);
+  EnterChild(ChildHeapCap(bytes));
   AnnouncePhase("merge");
   absl::Status s = stages > 0 ? MergeHere(dir, stages) : absl::InvalidArgumentError("merge: no stages");
   if (!s.ok()) {

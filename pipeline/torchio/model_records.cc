@@ -206,7 +206,6 @@ absl::Status ModelRecords::Materialize(const torch::jit::Module& module) {
         c10::Storage real(c10::Storage::use_byte_size_t(), skeleton.nbytes(), std::move(bytes), nullptr, false);
         lent = lent_.emplace(key, real).first;
         key_of_[real.unsafeGetStorageImpl()] = key;
-        materialized_bytes_ += static_cast<int64_t>(skeleton.nbytes());
       }
       t.unsafeGetTensorImpl()->set_storage_keep_dtype(lent->second);
     }
@@ -224,7 +223,6 @@ void ModelRecords::Dematerialize(const torch::jit::Module& module) {
   }
   for (const auto& [key, storage] : lent_) key_of_.erase(storage.unsafeGetStorageImpl());
   lent_.clear();
-  materialized_bytes_ = 0;
 }
 
 }  // namespace pippy::torchio

@@ -54,9 +54,6 @@ class ModelRecords {
   // other tensor, e.g. an output that is a view of a parameter, holds it). One module is
   // materialized at a time: every storage lent is given back.
   void Dematerialize(const torch::jit::Module& module);
-  // Bytes of the records materialized now.
-  int64_t materialized_bytes() const { return materialized_bytes_; }
-
   // The record key behind a skeleton tensor's storage (-1: none, e.g. empty).
   int64_t KeyOf(const at::Tensor& skeleton_tensor) const;
   // The archive as it was uploaded, to copy records from.
@@ -73,7 +70,6 @@ class ModelRecords {
   std::map<int64_t, c10::Storage> lent_;
   std::map<const c10::StorageImpl*, int64_t> key_of_;  // skeleton and lent storages alike
   std::map<int64_t, std::string> name_of_;             // a tensor that uses the key, for messages
-  int64_t materialized_bytes_ = 0;
 };
 
 }  // namespace pippy::torchio
