@@ -42,6 +42,8 @@ int RunSplitProgram(const std::vector<std::string>& args, const GlobalFlags& glo
 void AddScheduleCommand(CLI::App& root, const GlobalFlags& globals, int* exit_code);
 // Against a coordinator: `submit`, `list`, `status`, `watch`, `cancel`, `fetch`, `workers`.
 void AddRemoteCommands(CLI::App& root, const GlobalFlags& globals, int* exit_code);
+// `certs init DIR`: a CA, certificates and tokens for a secured coordinator (pki.h).
+void AddCertsCommand(CLI::App& root, int* exit_code);
 // `local`: a coordinator and N workers on this machine, in the foreground.
 void AddLocalCommand(CLI::App& root, const GlobalFlags& globals, int* exit_code);
 

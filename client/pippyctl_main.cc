@@ -34,6 +34,7 @@ int main(int argc, char** argv) {
   AddLocalCommand(app, globals, &exit_code);
   AddSplitCommand(app);
   AddScheduleCommand(app, globals, &exit_code);
+  AddCertsCommand(app, &exit_code);
   const std::vector<std::string> value_options = {"--coordinator", "--output", "--tls-ca", "--token-file"};
   if (auto unknown = UnknownCommand(app, argc, argv, value_options)) {
     std::cerr << kProgram << ": " << *unknown << "\n";

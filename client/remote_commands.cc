@@ -878,10 +878,16 @@ int RunHealth(const std::string& target, const std::string& service, double time
   }
   if (!s.ok()) return Fail(kProgram, FromGrpc(s, where));
   const std::string status = grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status());
+  // An insecure coordinator (--insecure) says so on every call.
+  std::string warning;
+  const auto& md = ctx.GetServerInitialMetadata();
+  if (auto it = md.find("pippy-warning"); it != md.end()) warning.assign(it->second.data(), it->second.size());
   if (g.output == "json") {
-    std::cout << "{\"target\": \"" << where << "\", \"status\": \"" << status << "\"}\n";
+    std::cout << "{\"target\": \"" << where << "\", \"status\": \"" << status << "\""
+              << (warning.empty() ? "" : ", \"warning\": \"" + warning + "\"") << "}\n";
   } else {
     std::cout << where << ": " << status << "\n";
+    if (!warning.empty()) std::cout << "warning: " << warning << "\n";
   }
   return resp.status() == grpc::health::v1::HealthCheckResponse::SERVING ? kExitOk : kExitInternal;
 }

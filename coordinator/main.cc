@@ -1,4 +1,9 @@
 // pippy-coordinator: parses flags, wires the service logic to gRPC; nothing else.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+
 #include <atomic>
 #include <chrono>
 #include <csignal>
@@ -7,8 +12,11 @@
 #include <fstream>
 #include <string>
 #include <thread>
+#include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/cli.h"
 #include "common/log.h"
 #include "common/metrics.h"
@@ -19,6 +27,7 @@
 #include "coordinator/result_assembly.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/support/server_interceptor.h"
 
 namespace {
 
@@ -29,7 +38,7 @@ std::atomic<bool> g_stopping{false};
 
 // Every flag, as parsed.
 struct Flags {
-  std::string bind = "0.0.0.0", state_dir = "pippy-state", port_file, log_level = "info", auth_token_file;
+  std::string bind, state_dir = "pippy-state", port_file, log_level = "info", auth_token_file;
   int port = 7070;
   double heartbeat_timeout_s = 10;
   int max_message_mib = 16;
@@ -40,11 +49,14 @@ struct Flags {
   double job_retention_days = 0;
   int max_finished_jobs = 0;
   int metrics_port = -1;
+  bool insecure = false;
 };
 
 void AddFlags(CLI::App& app, Flags* f) {
   using namespace pippy;
-  app.add_option("--bind", f->bind, "address to listen on")->capture_default_str();
+  app.add_option("--bind", f->bind,
+                 "address to listen on (default: 0.0.0.0 when secured with --tls-cert, --tls-client-ca and "
+                 "--auth-token-file; else 127.0.0.1 only; another address without them needs --insecure)");
   app.add_option("--port", f->port, "gRPC port; 0 lets the OS choose (see --port-file)")
       ->check(CLI::Range(0, 65535))->capture_default_str();
   app.add_option("--state-dir", f->state_dir,
@@ -96,9 +108,90 @@ void AddFlags(CLI::App& app, Flags* f) {
   app.add_option("--metrics-port", f->metrics_port,
                  "serve Prometheus metrics at http://BIND:PORT/metrics (0: any free port, printed in the log)")
       ->check(CLI::Range(0, 65535));
+  app.add_flag("--insecure", f->insecure,
+               "listen beyond loopback without TLS, worker mTLS or user tokens: anyone who reaches the port can "
+               "register as a worker (and receive users' models and data) or submit and cancel jobs; logged as a "
+               "warning, and pippyctl health says so");
   app.add_option("--log-level", f->log_level, "debug | info | warn | error")
       ->check(CLI::IsMember({"debug", "info", "warn", "error", "off"}))->capture_default_str();
 }
+
+// The stop signals' self-pipe: the handler writes the signal's number, Serve's
+// signal thread reads it.
+int g_signal_pipe[2] = {-1, -1};
+
+void OnStopSignal(int sig) {
+  const int saved = errno;
+  const unsigned char byte = static_cast<unsigned char>(sig);
+  (void)!write(g_signal_pipe[1], &byte, 1);
+  errno = saved;
+}
+
+// Opens the pipe and installs the handler. Errors: INTERNAL.
+absl::Status CatchStopSignals() {
+  if (pipe2(g_signal_pipe, O_CLOEXEC) != 0) return absl::InternalError("cannot create the signal pipe");
+  struct sigaction sa {};
+  sa.sa_handler = OnStopSignal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  if (sigaction(SIGTERM, &sa, nullptr) != 0 || sigaction(SIGINT, &sa, nullptr) != 0) {
+    return absl::InternalError("cannot install the SIGTERM/SIGINT handler");
+  }
+  return absl::OkStatus();
+}
+
+bool IsLoopback(const std::string& host) {
+  return host == "localhost" || host == "::1" || host == "[::1]" || absl::StartsWith(host, "127.");
+}
+
+// What is missing for the coordinator to be secured beyond loopback: TLS, mTLS for
+// workers, user tokens ("" when nothing is).
+std::string MissingSecurity(const Flags& f) {
+  std::vector<std::string> missing;
+  if (f.tls_files.cert.empty()) missing.push_back("TLS (--tls-cert, --tls-key)");
+  if (f.tls_files.client_ca.empty()) missing.push_back("worker mTLS (--tls-client-ca)");
+  if (f.auth_token_file.empty()) missing.push_back("user tokens (--auth-token-file)");
+  return absl::StrJoin(missing, ", ");
+}
+
+// Picks the address to listen on: loopback unless secured, and beyond loopback only
+// when secured or --insecure. Errors: INVALID_ARGUMENT naming what is missing.
+absl::StatusOr<std::string> BindAddress(const Flags& f) {
+  const std::string missing = MissingSecurity(f);
+  if (f.bind.empty()) return missing.empty() ? std::string("0.0.0.0") : std::string("127.0.0.1");
+  if (IsLoopback(f.bind) || missing.empty() || f.insecure) return f.bind;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--bind ", f.bind, ": listening beyond loopback needs ", missing,
+      " (pippyctl certs init DIR makes the certificates and a token file; see docs/security.md), or --insecure to "
+      "run without them"));
+}
+
+// Adds "pippy-warning: TEXT" to the initial metadata of every call (pippyctl health
+// prints it): an insecure coordinator says so to whoever asks.
+class WarningInterceptor : public grpc::experimental::Interceptor {
+ public:
+  explicit WarningInterceptor(const std::string* text) : text_(text) {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_INITIAL_METADATA)) {
+      methods->GetSendInitialMetadata()->emplace("pippy-warning", *text_);
+    }
+    methods->Proceed();
+  }
+
+ private:
+  const std::string* text_;
+};
+
+class WarningInterceptorFactory : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit WarningInterceptorFactory(std::string text) : text_(std::move(text)) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo*) override {
+    return new WarningInterceptor(&text_);
+  }
+
+ private:
+  const std::string text_;
+};
 
 // Writes the port bound to --port-file (atomically: a reader never sees half of it).
 absl::Status WritePortFile(const std::string& path, int port) {
@@ -113,6 +206,10 @@ absl::Status WritePortFile(const std::string& path, int port) {
 // Runs the coordinator until SIGTERM or SIGINT.
 int Serve(const Flags& f) {
   using namespace pippy;
+  auto bind = BindAddress(f);
+  if (!bind.ok()) return cli::Fail(kProgram, bind.status());
+  absl::Status caught = CatchStopSignals();
+  if (!caught.ok()) return cli::Fail(kProgram, caught);
   coordinator::Coordinator::Options opts;
   opts.state_dir = f.state_dir;
   opts.heartbeat_timeout = absl::Seconds(f.heartbeat_timeout_s);
@@ -128,10 +225,10 @@ int Serve(const Flags& f) {
   std::unique_ptr<metrics::Server> metrics_server;
   if (f.metrics_port >= 0) {
     coordinator::Coordinator* c = logic->get();
-    auto started = metrics::Server::Start(f.bind, f.metrics_port, [c] { return c->MetricsText(); });
+    auto started = metrics::Server::Start(*bind, f.metrics_port, [c] { return c->MetricsText(); });
     if (!started.ok()) return cli::Fail(kProgram, started.status());
     metrics_server = std::move(*started);
-    log::Info("metrics on http://{}:{}/metrics", f.bind, metrics_server->port());
+    log::Info("metrics on http://{}:{}/metrics", *bind, metrics_server->port());
   }
   std::unique_ptr<coordinator::TokenAuth> auth;
   if (!f.auth_token_file.empty()) {
@@ -152,13 +249,23 @@ int Serve(const Flags& f) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int bound = 0;
-  builder.AddListeningPort(absl::StrCat(f.bind, ":", f.port), *credentials, &bound);
+  builder.AddListeningPort(absl::StrCat(*bind, ":", f.port), *credentials, &bound);
+  const std::string missing = MissingSecurity(f);
+  std::string warning;
+  if (!missing.empty() && !IsLoopback(*bind)) {
+    warning = absl::StrCat("INSECURE: listening on ", *bind, " without ", missing,
+                           " (--insecure): anyone who reaches this port can register as a worker and receive users' "
+                           "models and data, or submit and cancel jobs");
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+    interceptors.push_back(std::make_unique<WarningInterceptorFactory>(warning));
+    builder.experimental().SetInterceptorCreators(std::move(interceptors));
+  }
   builder.SetMaxReceiveMessageSize(f.max_message_mib << 20);
   builder.RegisterService(&api);
   builder.RegisterService(&hub);
   g_server = builder.BuildAndStart();
   if (!g_server || bound == 0) {
-    return cli::Fail(kProgram, absl::UnavailableError(absl::StrCat("cannot listen on ", f.bind, ":", f.port,
+    return cli::Fail(kProgram, absl::UnavailableError(absl::StrCat("cannot listen on ", *bind, ":", f.port,
                                                                    " (in use? another --port, or --port 0)")));
   }
   if (!f.port_file.empty()) {
@@ -166,11 +273,17 @@ int Serve(const Flags& f) {
     if (!written.ok()) return cli::Fail(kProgram, written);
   }
   g_server->GetHealthCheckService()->SetServingStatus(true);
-  log::Info("pippy-coordinator listening on {}:{}{} (state in {})", f.bind, bound,
+  log::Info("pippy-coordinator listening on {}:{}{}{} (state in {})", *bind, bound,
             f.tls_files.cert.empty()             ? ""
             : f.tls_files.client_ca.empty()      ? " over TLS"
                                                  : " over TLS, workers with mTLS",
-            f.state_dir);
+            f.auth_token_file.empty() ? "" : ", user tokens", f.state_dir);
+  if (!warning.empty()) {
+    log::Warn("{}", warning);
+  } else if (!missing.empty()) {
+    log::Info("loopback only: without {}, only this host can reach it (--bind another address needs them, or "
+              "--insecure)", missing);
+  }
   systemd::NotifyReady(absl::StrCat("serving on ", f.bind, ":", bound));
   // Health tells the truth about the coordinator's own loop: NOT_SERVING (and no
   // watchdog pings) while it has not turned for 10 s, SERVING again when it does.
@@ -192,28 +305,30 @@ int Serve(const Flags& f) {
     }
   });
   systemd::StartWatchdog([stall] { return g_coordinator->LoopAlive(stall); });
+  // SIGTERM and SIGINT only write a byte to a pipe (async-signal-safe); this thread
+  // reads it and stops the coordinator as ordinary code, not in a handler.
   // Children preparing or merging are killed at once; workers keep their streams open
   // forever: what is still open after 0.3 s is cancelled. Should a handler still not
   // return (it never has), the process exits at 1.8 s: everything it keeps is in
   // SQLite transactions and files renamed into place.
-  auto stop = [](int) {
+  std::thread signals([] {
+    unsigned char sig = 0;
+    while (read(g_signal_pipe[0], &sig, 1) < 0 && errno == EINTR) {
+    }
+    pippy::log::Info("pippy-coordinator stopping ({})", sig == SIGINT ? "SIGINT" : "SIGTERM");
+    g_stopping = true;
+    systemd::NotifyStopping();
     std::thread([] {
-      pippy::log::Info("pippy-coordinator stopping (signal)");
-      g_stopping = true;
-      systemd::NotifyStopping();
-      g_coordinator->BeginStop();
-      g_server->GetHealthCheckService()->SetServingStatus(false);
-      std::thread([] {
-        std::this_thread::sleep_for(std::chrono::milliseconds(1800));
-        std::fputs("pippy-coordinator did not stop within 1.8 s of the signal; exiting now\n", stderr);
-        std::_Exit(0);
-      }).detach();
-      g_server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+      std::this_thread::sleep_for(std::chrono::milliseconds(1800));
+      std::fputs("pippy-coordinator did not stop within 1.8 s of the signal; exiting now\n", stderr);
+      std::_Exit(0);
     }).detach();
-  };
-  std::signal(SIGTERM, stop);
-  std::signal(SIGINT, stop);
+    g_coordinator->BeginStop();
+    g_server->GetHealthCheckService()->SetServingStatus(false);
+    g_server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+  });
   g_server->Wait();
+  signals.join();
   monitoring = false;
   monitor.join();
   g_server.reset();

@@ -1,6 +1,8 @@
 #!/bin/bash
-# TLS and user tokens end to end: certificates from scripts/make-dev-certs; a real coordinator serving
-# gRPC over TLS with mTLS for workers (--tls-client-ca); workers with a client
+# TLS and user tokens end to end: certificates and tokens from pippyctl certs init; a real
+# coordinator started as the README shows (TLS, mTLS for workers, user tokens: it then
+# listens on every address); without them it listens on loopback only and refuses
+# another --bind unless --insecure, which pippyctl health reports. Workers with a client
 # certificate register and train a job that pippyctl (--tls-ca) submits and fetches;
 # a worker without a client certificate is refused (UNAUTHENTICATED), one whose
 # certificate another CA signed is refused at the handshake (and says which flags to
@@ -14,17 +16,29 @@ TMP="${TEST_TMPDIR:-$(mktemp -d)}/tls"
 rm -rf "$TMP" && mkdir -p "$TMP"
 source "$PWD/tests/e2e/testlib.sh"
 
-scripts/make-dev-certs "$TMP/certs" > /dev/null || { echo "FAIL make-dev-certs"; exit 1; }
+"$PIPPYCTL" certs init "$TMP/certs" > "$TMP/certs.out" || { echo "FAIL pippyctl certs init: $(cat "$TMP/certs.out")"; exit 1; }
 C="$TMP/certs"
-"$COORD" --bind 127.0.0.1 --port 0 --port-file "$TMP/port" --state-dir "$TMP/state" --tls-cert "$C/server.pem" \
-  --tls-key "$C/server.key" --tls-client-ca "$C/ca.pem" > "$TMP/coordinator.log" 2>&1 &
+# Secure by default: without TLS, mTLS and tokens, another address than loopback is refused.
+"$COORD" --bind 0.0.0.0 --port 0 --state-dir "$TMP/state0" > "$TMP/open.out" 2>&1
+rc=$?
+if [ "$rc" = 2 ] && grep -q "listening beyond loopback needs TLS.*--tls-client-ca.*--auth-token-file.*--insecure" "$TMP/open.out"; then
+  ok "--bind 0.0.0.0 without TLS, mTLS and tokens is refused (exit 2): $(cut -c1-120 "$TMP/open.out")"
+else
+  bad "--bind 0.0.0.0 unsecured: exit $rc, $(cat "$TMP/open.out")"
+fi
+# The coordinator as the README starts it: the three files, no --bind.
+"$COORD" --port 0 --port-file "$TMP/port" --state-dir "$TMP/state" --tls-cert "$C/server.pem" \
+  --tls-key "$C/server.key" --tls-client-ca "$C/ca.pem" --auth-token-file "$C/tokens" > "$TMP/coordinator.log" 2>&1 &
 pids+=($!)
 for _ in $(seq 100); do [ -s "$TMP/port" ] && break; sleep 0.1; done
+[ -s "$TMP/port" ] || { echo "FAIL the secured coordinator did not start: $(cat "$TMP/coordinator.log")"; finish; }
+grep -q "listening on 0.0.0.0:.* over TLS, workers with mTLS, user tokens" "$TMP/coordinator.log" &&
+  ok "secured (TLS, worker mTLS, tokens), it listens on every address" || bad "secured start: $(head -3 "$TMP/coordinator.log")"
 ADDR="127.0.0.1:$(cat "$TMP/port")"
-ctl() { "$PIPPYCTL" --coordinator "$ADDR" --tls-ca "$C/ca.pem" "$@"; }
+ctl() { "$PIPPYCTL" --coordinator "$ADDR" --tls-ca "$C/ca.pem" --token-file "$C/token-admin" "$@"; }
 for i in 0 1; do
-  "$WORKER" --coordinator "$ADDR" --name "w$i" --ucx-tls sm,self --tls-ca "$C/ca.pem" --tls-cert "$C/client.pem" \
-    --tls-key "$C/client.key" > "$TMP/w$i.log" 2>&1 &
+  "$WORKER" --coordinator "$ADDR" --name "w$i" --ucx-tls sm,self --tls-ca "$C/ca.pem" --tls-cert "$C/worker.pem" \
+    --tls-key "$C/worker.key" > "$TMP/w$i.log" 2>&1 &
   pids+=($!)
 done
 wait_idle 2 && ok "2 workers with client certificates registered over mTLS" || bad "workers over mTLS: $(idle_workers)"
@@ -41,7 +55,7 @@ fi
 # A plaintext pippyctl, and one that does not trust the CA: refused, exit 3.
 "$PIPPYCTL" --coordinator "$ADDR" list > "$TMP/plain.out" 2>&1
 rc_plain=$?
-scripts/make-dev-certs "$TMP/other" > /dev/null
+"$PIPPYCTL" certs init "$TMP/other" > /dev/null
 "$PIPPYCTL" --coordinator "$ADDR" --tls-ca "$TMP/other/ca.pem" list > "$TMP/untrusted.out" 2>&1
 rc_untrusted=$?
 if [ "$rc_plain" = 3 ] && [ "$rc_untrusted" = 3 ]; then
@@ -50,8 +64,8 @@ else
   bad "plaintext client exit $rc_plain ($(cat "$TMP/plain.out")), untrusting client exit $rc_untrusted"
 fi
 # A worker whose client certificate another CA signed: refused at the handshake, exits.
-timeout 30 "$WORKER" --coordinator "$ADDR" --name wrongcert --tls-ca "$C/ca.pem" --tls-cert "$TMP/other/client.pem" \
-  --tls-key "$TMP/other/client.key" --reconnect-timeout-s 0 > "$TMP/wrongcert.log" 2>&1
+timeout 30 "$WORKER" --coordinator "$ADDR" --name wrongcert --tls-ca "$C/ca.pem" --tls-cert "$TMP/other/worker.pem" \
+  --tls-key "$TMP/other/worker.key" --reconnect-timeout-s 0 > "$TMP/wrongcert.log" 2>&1
 rc=$?
 if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$(idle_workers)" = 2 ] && grep -q "tls-client-ca signed --tls-cert" "$TMP/wrongcert.log" &&
    ! ctl workers --output json 2>/dev/null | grep -q wrongcert; then
@@ -68,7 +82,43 @@ if ctl submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --stages 2 --schedule 1f1b
 else
   bad "job over TLS: $(cat "$TMP/job.err")"
 fi
-"$PIPPYCTL" health "$ADDR" --tls-ca "$C/ca.pem" > /dev/null && ok "health over TLS" || bad "health over TLS"
+"$PIPPYCTL" health "$ADDR" --tls-ca "$C/ca.pem" > "$TMP/health.out" && ! grep -q warning "$TMP/health.out" &&
+  ok "health over TLS, no warning" || bad "health over TLS: $(cat "$TMP/health.out")"
+# Certificate rotation: --renew issues new certificates from the same CA; a worker
+# with the new one registers with the running coordinator (which trusts the CA).
+cp "$C/worker.pem" "$TMP/worker-before.pem"
+"$PIPPYCTL" certs init "$C" --renew > "$TMP/renew.out" 2>&1
+rc=$?
+"$WORKER" --coordinator "$ADDR" --name renewed --ucx-tls sm,self --tls-ca "$C/ca.pem" --tls-cert "$C/worker.pem" \
+  --tls-key "$C/worker.key" > "$TMP/renewed.log" 2>&1 &
+pids+=($!)
+if [ "$rc" = 0 ] && ! cmp -s "$C/worker.pem" "$TMP/worker-before.pem" && wait_idle 3; then
+  ok "a worker with a renewed certificate registers with the running coordinator"
+else
+  bad "renewed certificate: certs init --renew exit $rc ($(tail -1 "$TMP/renew.out")); $(tail -2 "$TMP/renewed.log")"
+fi
+
+# Without the three, loopback only (and it says so); --insecure listens beyond it,
+# warns at start, and pippyctl health says so.
+"$COORD" --port 0 --port-file "$TMP/port3" --state-dir "$TMP/state3" > "$TMP/coordinator3.log" 2>&1 &
+pids+=($!)
+"$COORD" --bind 0.0.0.0 --insecure --port 0 --port-file "$TMP/port4" --state-dir "$TMP/state4" > "$TMP/coordinator4.log" 2>&1 &
+pids+=($!)
+for _ in $(seq 100); do [ -s "$TMP/port3" ] && [ -s "$TMP/port4" ] && break; sleep 0.1; done
+"$PIPPYCTL" health "127.0.0.1:$(cat "$TMP/port3")" > "$TMP/health3.out" 2>&1
+"$PIPPYCTL" health "127.0.0.1:$(cat "$TMP/port4")" > "$TMP/health4.out" 2>&1
+if grep -q "listening on 127.0.0.1:" "$TMP/coordinator3.log" && grep -q "loopback only" "$TMP/coordinator3.log" &&
+   ! grep -q warning "$TMP/health3.out"; then
+  ok "unsecured by default: loopback only, and it says so"
+else
+  bad "default coordinator: $(head -3 "$TMP/coordinator3.log"); health: $(cat "$TMP/health3.out")"
+fi
+if grep -q "W coordinator INSECURE: listening on 0.0.0.0" "$TMP/coordinator4.log" &&
+   grep -q "^warning: INSECURE: listening on 0.0.0.0 without TLS" "$TMP/health4.out"; then
+  ok "--insecure: warned at start and by pippyctl health: $(grep warning "$TMP/health4.out" | cut -c1-100)"
+else
+  bad "--insecure: $(head -3 "$TMP/coordinator4.log"); health: $(cat "$TMP/health4.out")"
+fi
 
 # User tokens (--auth-token-file): no token or a wrong one is UNAUTHENTICATED (exit 2),
 # the job records its submitter, and only they may cancel it (PERMISSION_DENIED);
