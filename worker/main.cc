@@ -53,6 +53,8 @@ int main(int argc, char** argv) {
   app.add_option("--tls-key", o.tls_key, "the client certificate's private key (PEM)")->check(CLI::ExistingFile);
   app.add_option("--log-level", log_level, "debug | info | warn | error")
       ->check(CLI::IsMember({"debug", "info", "warn", "error", "off"}))->capture_default_str();
+  // Hidden (no --help line): a fault for tests, never set by an environment variable.
+  app.add_option("--test-die-in-checkpoint", o.test_die_in_checkpoint)->group("");
   if (auto code = cli::Parse(app, argc, argv)) return *code;
   absl::Status logging = log::InitWithLevel("worker", log_level);
   if (!logging.ok()) return cli::Fail(kProgram, logging);

@@ -1,5 +1,6 @@
 #include "worker/result_stream.h"
 
+#include <atomic>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -39,22 +40,22 @@ absl::StatusOr<int64_t> Stream(const Writer& write, const Assignment& a, size_t 
       source);
 }
 
-// A test's fault: PIPPY_TEST_DIE_IN_CHECKPOINT=N makes this process SIGKILL itself
-// after sending the first chunk of its checkpoint after step N (a worker lost in the
-// middle of a checkpoint).
+std::atomic<int> g_die_in_checkpoint{-1};
+
+// A test's fault (SetTestDieInCheckpoint): this process SIGKILLs itself after sending
+// the first chunk of its checkpoint after step N (a worker lost in the middle of a
+// checkpoint).
 void MaybeDieInCheckpoint(int step) {
-  static const int die_at = [] {
-    const char* v = std::getenv("PIPPY_TEST_DIE_IN_CHECKPOINT");
-    return v != nullptr ? std::atoi(v) : -1;
-  }();
-  if (step == die_at) {
-    log::Warn("PIPPY_TEST_DIE_IN_CHECKPOINT={}: killing this worker in the middle of its checkpoint", step);
+  if (step == g_die_in_checkpoint.load()) {
+    log::Warn("--test-die-in-checkpoint {}: killing this worker in the middle of its checkpoint", step);
     std::fflush(stderr);
     raise(SIGKILL);
   }
 }
 
 }  // namespace
+
+void SetTestDieInCheckpoint(int step) { g_die_in_checkpoint = step; }
 
 absl::Status SendStage(const Writer& write, const Assignment& a, int stage, const torch::jit::Module& module,
                        size_t chunk_bytes) {

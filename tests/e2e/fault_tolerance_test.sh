@@ -22,11 +22,11 @@ start_coordinator 0
 ctl() { "$PIPPYCTL" --coordinator "$ADDR" "$@"; }
 declare -A worker_pid
 nworkers=0
-start_worker() {  # [ENV=VALUE] -> name in $last_worker
+start_worker() {  # [WORKER FLAGS] -> name in $last_worker
   local name="w$nworkers"
   nworkers=$((nworkers + 1))
-  env "$@" "$WORKER" --coordinator "$ADDR" --name "$name" --ucx-tls sm,self --wait-timeout-s 20 \
-    --reconnect-timeout-s 60 > "$TMP/$name.log" 2>&1 &
+  "$WORKER" --coordinator "$ADDR" --name "$name" --ucx-tls sm,self --wait-timeout-s 20 \
+    --reconnect-timeout-s 60 "$@" > "$TMP/$name.log" 2>&1 &
   pids+=($!)
   worker_pid[$name]=$!
   last_worker=$name
@@ -49,7 +49,9 @@ keep_workers() {  # N: kills registered workers until N are left (and gone from 
   names=($(registered_workers))
   while [ "${#names[@]}" -gt "$1" ]; do
     kill -9 "${worker_pid[${names[0]}]}"
-    for _ in $(seq 100); do registered_workers | grep -qw "${names[0]}" || break; sleep 0.1; done
+    local gone=0
+    for _ in $(seq 100); do registered_workers | grep -qw "${names[0]}" || { gone=1; break; }; sleep 0.1; done
+    [ "$gone" = 1 ] || { echo "worker ${names[0]} still registered 10 s after SIGKILL"; return 1; }
     names=("${names[@]:1}")
   done
 }
@@ -114,7 +116,8 @@ if finished_ok "$nock" && same_as_reference nockpt "$nock"; then ok "--checkpoin
 
 # 1. A worker killed mid-training; the third worker is the spare.
 job=$(submit --checkpoint-every 5)
-wait_until "$job" "j.get('checkpoint_step', 0) >= 10 and j['state'] == 'RUNNING'"
+wait_until "$job" "j.get('checkpoint_step', 0) >= 10 and j['state'] == 'RUNNING'" ||
+  bad "the job never reached its checkpoint after step 10: $(json_get "$job" "j['state'], j.get('reason')")"
 victim=$(worker_of_rank "$job" 1)
 kill -9 "${worker_pid[$victim]}"
 if finished_ok "$job" && same_as_reference killed "$job"; then
@@ -128,22 +131,25 @@ grep -q "restarting from step" "$TMP/$job.watch" && ok "watch shows the restart"
 # 2. --checkpoint-every 1 and a worker that dies in the middle of sending its
 #    checkpoint after step 6: exactly it and one other are idle when the job is placed;
 #    a spare registers once the job runs.
-wait_idle 2
-keep_workers 1
-start_worker PIPPY_TEST_DIE_IN_CHECKPOINT=6
+wait_idle 2 || bad "2 idle workers before the in-checkpoint case"
+keep_workers 1 || bad "keep 1 worker"
+start_worker --test-die-in-checkpoint 6
 faulty=$last_worker
 wait_idle 2 || bad "the faulty worker and one other are idle"
 job=$(submit --checkpoint-every 1)
-wait_until "$job" "j['state'] == 'RUNNING'"
+# (It may be RECOVERING already: the fault strikes at step 6, 6 quick steps in.)
+wait_until "$job" "j['state'] in ('RUNNING', 'RECOVERING')" ||
+  bad "the in-checkpoint job never ran: $(json_get "$job" "j['state'], j.get('reason')")"
 start_worker
-wait_until "$job" "j['state'] == 'SUCCEEDED' or j.get('restarts', 0) >= 1" 600
+wait_until "$job" "j['state'] == 'SUCCEEDED' or j.get('restarts', 0) >= 1" 600 ||
+  bad "the in-checkpoint job neither restarted nor succeeded in 60 s: $(json_get "$job" "j['state'], j.get('reason')")"
 if finished_ok "$job" && same_as_reference in_checkpoint "$job"; then
   ok "worker killed while sending checkpoint 6: $(json_get "$job" "j['history'][-1]['message']"); bitwise equal"
 else
   bad "killed in checkpoint: $(json_get "$job" "j['state'], j.get('reason'), j.get('history')")"
 fi
 kill -0 "${worker_pid[$faulty]}" 2>/dev/null && bad "the faulty worker is still alive" || ok "the faulty worker died in its checkpoint"
-grep -q "PIPPY_TEST_DIE_IN_CHECKPOINT" "$TMP/$faulty.log" || bad "the faulty worker's log does not say why it died"
+grep -q "test-die-in-checkpoint 6: killing" "$TMP/$faulty.log" || bad "the faulty worker's log does not say why it died"
 
 # 3. The coordinator killed mid-training and restarted with the same state directory:
 #    the workers reconnect under their ids and the job resumes from its checkpoint.
@@ -151,10 +157,21 @@ wait_idle 2 || bad "2 idle workers before the coordinator is killed"
 ids_before=$(ctl workers --output json | /usr/bin/python3 -c \
   "import json,sys; print(sorted((w['name'], w['worker_id']) for w in json.load(sys.stdin)['workers']))")
 job=$(submit --checkpoint-every 5)
-wait_until "$job" "j.get('checkpoint_step', 0) >= 10 and j['state'] == 'RUNNING'"
+if wait_until "$job" "j.get('checkpoint_step', 0) >= 10 and j['state'] == 'RUNNING'"; then
+  ok "the job is RUNNING past its checkpoint after step 10 when the coordinator is killed"
+else
+  bad "the job before the coordinator is killed: $(json_get "$job" "j['state'], j.get('checkpoint_step'), j.get('reason')")"
+fi
 kill -9 "$coord_pid"
 wait "$coord_pid" 2>/dev/null
 start_coordinator "$PORT"
+# The restarted coordinator read the job as RUNNING from its records and put it in
+# RECOVERING (its event says so) until the workers were back.
+if wait_until "$job" "any('restarted while the job was RUNNING; resuming from step' in e['message'] for e in j['history'])"; then
+  ok "after the restart: $(json_get "$job" "[e['message'] for e in j['history'] if 'restarted' in e['message']][0]")"
+else
+  bad "no RUNNING -> RECOVERING after the restart: $(json_get "$job" "j['state'], j.get('history')")"
+fi
 if finished_ok "$job" && same_as_reference coordinator "$job"; then
   ok "coordinator killed and restarted: $(json_get "$job" "j['history'][-1]['message']"); bitwise equal"
 else
@@ -168,10 +185,11 @@ ids_after=$(ctl workers --output json | /usr/bin/python3 -c \
 
 # 4. No spare: exactly 2 workers; one is killed; the job waits RECOVERING until a new
 #    worker registers, then resumes.
-keep_workers 2
+keep_workers 2 || bad "keep 2 workers"
 wait_idle 2 || bad "exactly 2 idle workers before the no-spare case"
 job=$(submit --checkpoint-every 5)
-wait_until "$job" "j.get('checkpoint_step', 0) >= 10 and j['state'] == 'RUNNING'"
+wait_until "$job" "j.get('checkpoint_step', 0) >= 10 and j['state'] == 'RUNNING'" ||
+  bad "the no-spare job never reached its checkpoint after step 10: $(json_get "$job" "j['state'], j.get('reason')")"
 victim=$(worker_of_rank "$job" 0)
 kill -9 "${worker_pid[$victim]}"
 if wait_until "$job" "j['state'] == 'RECOVERING'" && sleep 1 && [ "$(json_get "$job" "j['state']")" = RECOVERING ]; then
@@ -184,10 +202,11 @@ if finished_ok "$job" && same_as_reference no_spare "$job"; then ok "a worker re
   bad "resume after a worker registered: $(json_get "$job" "j['state'], j.get('reason'), j.get('history')")"; fi
 
 # 5. No worker within --recovery-timeout-s: FAILED saying so.
-keep_workers 2
+keep_workers 2 || bad "keep 2 workers"
 wait_idle 2 || bad "exactly 2 idle workers before the timeout case"
 job=$(submit --checkpoint-every 5 --recovery-timeout-s 2)
-wait_until "$job" "j.get('step', 0) >= 3 and j['state'] == 'RUNNING'"
+wait_until "$job" "j.get('step', 0) >= 3 and j['state'] == 'RUNNING'" ||
+  bad "the recovery-timeout job never ran 3 steps: $(json_get "$job" "j['state'], j.get('reason')")"
 victim=$(worker_of_rank "$job" 1)
 kill -9 "${worker_pid[$victim]}"
 ctl watch "$job" > /dev/null 2>&1
@@ -198,7 +217,8 @@ reason=$(json_get "$job" "j['state'], j.get('reason')")
 start_worker
 wait_idle 2 || bad "2 idle workers before the --max-restarts 0 case"
 job=$(submit --max-restarts 0)
-wait_until "$job" "j.get('step', 0) >= 3 and j['state'] == 'RUNNING'"
+wait_until "$job" "j.get('step', 0) >= 3 and j['state'] == 'RUNNING'" ||
+  bad "the --max-restarts 0 job never ran 3 steps: $(json_get "$job" "j['state'], j.get('reason')")"
 victim=$(worker_of_rank "$job" 0)
 kill -9 "${worker_pid[$victim]}"
 ctl watch "$job" > /dev/null 2>&1
