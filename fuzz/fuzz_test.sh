@@ -15,6 +15,30 @@ export PIPPY_FUZZ_MODEL="${PIPPY_FUZZ_MODEL:-examples/models/zoo/gpt.pt}"
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
 failed=0
 rows=()
+# First the check of the check: a bug planted in a copy (fuzz/planted_fuzz.cc) must
+# fail its target with AddressSanitizer's report from the child; a child killed by a
+# signal (as LibTorch kills some) is absorbed; a clean input passes.
+if [ "${1:-}" = --planted ]; then
+  planted=$2
+  shift 2
+  printf 'BUG planted' > "$WORK/bug.in"
+  printf 'SEGV' > "$WORK/segv.in"
+  printf 'fine' > "$WORK/fine.in"
+  "$planted" -runs=1 "$WORK/bug.in" > "$WORK/planted.log" 2>&1
+  rc_bug=$?
+  "$planted" -runs=1 "$WORK/segv.in" "$WORK/fine.in" > "$WORK/planted-ok.log" 2>&1
+  rc_ok=$?
+  if [ "$rc_bug" != 0 ] && grep -q "a sanitizer report from pippy's own code in the child" "$WORK/planted.log" &&
+     grep -q "heap-buffer-overflow" "$WORK/planted.log" && [ "$rc_ok" = 0 ]; then
+    rows+=("$(printf '%-18s a bug planted in the child is reported (exit %s): %s' planted_fuzz "$rc_bug" \
+              "$(grep -o 'AddressSanitizer: heap-buffer-overflow' "$WORK/planted.log" | head -1)")")
+  else
+    failed=$((failed + 1))
+    rows+=("$(printf '%-18s FAILED: planted bug exit %s, signal/clean inputs exit %s' planted_fuzz "$rc_bug" "$rc_ok")")
+    echo "=== planted_fuzz: its logs"
+    tail -30 "$WORK/planted.log" "$WORK/planted-ok.log"
+  fi
+fi
 for bin in "$@"; do
   t=$(basename "$bin")
   seeds="fuzz/corpus/$t"
@@ -44,5 +68,5 @@ done
 echo
 echo "fuzzing, ${SECONDS_EACH} s per target (model, split, data: $((SECONDS_EACH * 2)) s) (ASan + UBSan + libFuzzer, clang $(clang++-14 --version 2>/dev/null | head -1 | grep -o '[0-9][0-9.]*' | head -1)):"
 printf '  %s\n' "${rows[@]}"
-echo "$(( $# - failed )) of $# fuzz targets ran clean"
+echo "$(( $# - (failed > 0 ? failed : 0) )) of $# fuzz targets ran clean (and the planted bug: see its line)"
 [ "$failed" -eq 0 ]
