@@ -32,6 +32,58 @@ class StreamChannel : public WorkerChannel {
   grpc::ServerReaderWriter<CoordinatorMessage, WorkerMessage>* stream_ ABSL_GUARDED_BY(mu_);
 };
 
+// Cancels a call that has not moved for `limit` (Touch() is the movement): a client
+// that opened an upload or a download and went quiet cannot hold its handler thread
+// and its stream slot forever. limit 0: never.
+class IdleWatch {
+ public:
+  IdleWatch(grpc::ServerContext* context, absl::Duration limit) : last_(absl::Now()) {
+    if (limit <= absl::ZeroDuration()) return;
+    thread_ = std::thread([this, context, limit] {
+      absl::MutexLock lock(&mu_);
+      while (!done_) {
+        const absl::Duration left = last_ + limit - absl::Now();
+        if (left <= absl::ZeroDuration()) {
+          fired_ = true;
+          context->TryCancel();
+          return;
+        }
+        mu_.AwaitWithTimeout(absl::Condition(&done_), left);
+      }
+    });
+  }
+  ~IdleWatch() {
+    {
+      absl::MutexLock lock(&mu_);
+      done_ = true;
+    }
+    if (thread_.joinable()) thread_.join();
+  }
+  void Touch() {
+    absl::MutexLock lock(&mu_);
+    last_ = absl::Now();
+  }
+  bool fired() {
+    absl::MutexLock lock(&mu_);
+    return fired_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  absl::Time last_ ABSL_GUARDED_BY(mu_);
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  bool fired_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+grpc::Status IdleError(const char* what, grpc::ServerContext* context, absl::Duration limit) {
+  log::Warn("{} from {}: nothing moved for {}; cancelled (--stream-idle-timeout-s)", what, context->peer(),
+            absl::FormatDuration(limit));
+  return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                      absl::StrCat(what, ": nothing moved for ", absl::FormatDuration(limit),
+                                   " (--stream-idle-timeout-s); the stream was cancelled"));
+}
+
 ProgressEvent EventOf(const Job& job) {
   ProgressEvent e;
   e.set_job_id(job.job_id());
@@ -91,7 +143,9 @@ grpc::Status CoordinatorGrpc::SubmitJob(grpc::ServerContext* context, grpc::Serv
   auto upload = logic_->NewUpload();
   if (!upload.ok()) return ToGrpc(upload.status());
   bool data_started = false;
+  IdleWatch idle(context, limits_.stream_idle_timeout);
   while (reader->Read(&req)) {
+    idle.Touch();
     absl::Status s;
     if (req.has_model_chunk()) {
       if (data_started) {
@@ -116,6 +170,7 @@ grpc::Status CoordinatorGrpc::SubmitJob(grpc::ServerContext* context, grpc::Serv
     }
     if (!s.ok()) return ToGrpc(s);
   }
+  if (idle.fired()) return IdleError("SubmitJob", context, limits_.stream_idle_timeout);
   log::Info("received a submission: model {} bytes, data {} bytes in {}", (*upload)->model_bytes(),
             (*upload)->data_bytes(), absl::FormatDuration(absl::Now() - start));
   auto id = logic_->SubmitJob(spec, std::move(*upload), *user);
@@ -185,11 +240,16 @@ grpc::Status CoordinatorGrpc::FetchModel(grpc::ServerContext* context, const Fet
   auto stream = TakeStream("FetchModel");
   if (!stream.ok()) return ToGrpc(stream.status());
   constexpr size_t kChunk = 1 << 20;
-  return ToGrpc(ArtifactStore::StreamFile(*path, kChunk, [&](absl::string_view piece) {
+  IdleWatch idle(context, limits_.stream_idle_timeout);
+  absl::Status sent = ArtifactStore::StreamFile(*path, kChunk, [&](absl::string_view piece) {
     ModelChunk c;
     c.set_data(piece.data(), piece.size());
-    return writer->Write(c) ? absl::OkStatus() : absl::CancelledError("the client stopped reading");
-  }));
+    if (!writer->Write(c)) return absl::CancelledError("the client stopped reading");
+    idle.Touch();
+    return absl::OkStatus();
+  });
+  if (idle.fired()) return IdleError("FetchModel", context, limits_.stream_idle_timeout);
+  return ToGrpc(sent);
 }
 
 grpc::Status CoordinatorGrpc::ListWorkers(grpc::ServerContext* context, const ListWorkersRequest*,

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <memory>
 
+#include "absl/time/time.h"
 #include "coordinator/auth.h"
 #include "coordinator/coordinator.h"
 #include "proto/coordinator.grpc.pb.h"
@@ -20,6 +21,10 @@ struct Limits {
   int64_t max_model_bytes = 0;     // --max-model-mib
   int64_t max_data_bytes = 0;      // --max-data-mib
   int max_concurrent_streams = 0;  // --max-concurrent-streams: SubmitJob and FetchModel at once
+  // --stream-idle-timeout-s: an upload (SubmitJob) that sends nothing, or a download
+  // (FetchModel) whose client reads nothing, for this long is cancelled and its stream
+  // slot freed (DEADLINE_EXCEEDED, logged with the peer). Zero: no limit.
+  absl::Duration stream_idle_timeout = absl::Seconds(60);
 };
 
 class CoordinatorGrpc final : public pippy::Coordinator::Service {

@@ -45,6 +45,7 @@ struct Flags {
   pippy::tls::ServerFiles tls_files;
   int64_t max_model_mib = 0, max_data_mib = 0;
   int max_streams = 0, max_queued = 0;
+  double stream_idle_timeout_s = 60;
   double prepare_timeout_s = 300, probe_timeout_s = 120;
   double job_retention_days = 0;
   int max_finished_jobs = 0;
@@ -81,6 +82,10 @@ void AddFlags(CLI::App& app, Flags* f) {
       ->check(cli::NonNegative())->capture_default_str();
   app.add_option("--max-concurrent-streams", f->max_streams,
                  "uploads (SubmitJob) and downloads (FetchModel) served at once; more are refused (0: no limit)")
+      ->check(cli::NonNegative())->capture_default_str();
+  app.add_option("--stream-idle-timeout-s", f->stream_idle_timeout_s,
+                 "an upload that sends nothing, or a download whose client reads nothing, this long is cancelled and "
+                 "its stream slot freed (0: no limit)")
       ->check(cli::NonNegative())->capture_default_str();
   app.add_option("--max-queued-jobs-per-user", f->max_queued,
                  "jobs one user may have waiting for workers at once (0: no limit)")
@@ -241,6 +246,7 @@ int Serve(const Flags& f) {
   limits.max_model_bytes = f.max_model_mib << 20;
   limits.max_data_bytes = f.max_data_mib << 20;
   limits.max_concurrent_streams = f.max_streams;
+  limits.stream_idle_timeout = absl::Seconds(f.stream_idle_timeout_s);
   coordinator::CoordinatorGrpc api(logic->get(), auth.get(), limits);
   auto credentials = tls::ServerCredentials(f.tls_files);
   if (!credentials.ok()) return cli::Fail(kProgram, credentials.status());
