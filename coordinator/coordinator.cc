@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/grpc_limits.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "coordinator/rank_sender.h"
@@ -72,6 +73,9 @@ JobRun* Coordinator::Find(const std::string& job_id) {
 
 void Coordinator::AddJob(std::unique_ptr<JobRun> run) {
   const std::string id = run->id();
+  if (run->serving() != nullptr) {
+    run->serving()->SetMaxMessageBytes(std::min<int64_t>(options_.max_message_bytes, kWorkerMaxMessageBytes));
+  }
   by_number_[JobNumber(id)] = run.get();
   jobs_[id] = std::move(run);
 }

@@ -71,6 +71,9 @@ class Coordinator {
     absl::Duration heartbeat_timeout = absl::Seconds(10);
     absl::Duration tick = absl::Milliseconds(100);
     size_t chunk_bytes = 1 << 20;  // pieces of the files streamed to workers
+    // The largest gRPC message the coordinator receives (--max-message-mib): serving
+    // micro-batches and their outputs stay within it (and within a worker's 64 MiB).
+    int64_t max_message_bytes = int64_t{16} << 20;
     // Jobs a user may have waiting (QUEUED, or being prepared and staged) at once; 0: no limit.
     int max_queued_per_user = 0;
     // Submissions are prepared and results assembled in children of this

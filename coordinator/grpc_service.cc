@@ -143,9 +143,10 @@ grpc::Status CoordinatorGrpc::SubmitJob(grpc::ServerContext* context, grpc::Serv
   auto upload = logic_->NewUpload();
   if (!upload.ok()) return ToGrpc(upload.status());
   bool data_started = false;
-  IdleWatch idle(context, limits_.stream_idle_timeout);
+  // Watches the upload only: preparing the job afterwards has deadlines of its own.
+  auto idle = std::make_unique<IdleWatch>(context, limits_.stream_idle_timeout);
   while (reader->Read(&req)) {
-    idle.Touch();
+    idle->Touch();
     absl::Status s;
     if (req.has_model_chunk()) {
       if (data_started) {
@@ -170,7 +171,11 @@ grpc::Status CoordinatorGrpc::SubmitJob(grpc::ServerContext* context, grpc::Serv
     }
     if (!s.ok()) return ToGrpc(s);
   }
-  if (idle.fired()) return IdleError("SubmitJob", context, limits_.stream_idle_timeout);
+  if (idle->fired()) return IdleError("SubmitJob", context, limits_.stream_idle_timeout);
+  idle.reset();
+  // The upload is over: its slot of --max-concurrent-streams is free for the next one
+  // while this submission is prepared.
+  stream->reset();
   log::Info("received a submission: model {} bytes, data {} bytes in {}", (*upload)->model_bytes(),
             (*upload)->data_bytes(), absl::FormatDuration(absl::Now() - start));
   auto id = logic_->SubmitJob(spec, std::move(*upload), *user);

@@ -280,8 +280,10 @@ void JobRun::StartServing() {
   const std::string job_id = id();
   const int attempt = job_.attempt();
   std::vector<std::shared_ptr<WorkerChannel>> channels = channels_;
+  const int64_t max_output = std::max<int64_t>(serving_->max_message_bytes() - (int64_t{64} << 10), 1);
   serving_->Start(attempt, std::move(needs),
-                  [job_id, attempt, channels](int64_t step, const std::vector<std::string>& inputs, int64_t rows) {
+                  [job_id, attempt, channels, max_output](int64_t step, const std::vector<std::string>& inputs,
+                                                          int64_t rows) {
                     bool ok = true;
                     for (size_t r = 0; r < channels.size(); ++r) {
                       CoordinatorMessage m;
@@ -290,6 +292,7 @@ void JobRun::StartServing() {
                       b->set_attempt(attempt);
                       b->set_step(step);
                       b->set_rows(rows);
+                      b->set_max_output_bytes(max_output);
                       if (r < inputs.size()) b->set_inputs(inputs[r]);
                       ok = channels[r]->Send(m) && ok;
                     }

@@ -224,6 +224,7 @@ int Serve(const Flags& f) {
   opts.probe_timeout = absl::Seconds(f.probe_timeout_s);
   opts.job_retention = absl::Seconds(f.job_retention_days * 86400);
   opts.max_finished_jobs = f.max_finished_jobs;
+  opts.max_message_bytes = int64_t{f.max_message_mib} << 20;
   auto logic = coordinator::Coordinator::Create(opts);
   if (!logic.ok()) return cli::Fail(kProgram, logic.status());
   g_coordinator = logic->get();

@@ -37,6 +37,7 @@ struct Request {
   bool solo = false;             // sent alone after a shared micro-batch failed
   int generation = 0;            // parts of an earlier try are ignored
   int64_t queued_to = 0;         // rows [0, queued_to) are in micro-batches
+  int64_t row_bytes = 0;         // bytes of one row of its inputs (all arguments)
 
   // Nothing of it has left yet and its client is gone: it need not be computed.
   bool Abandoned() const { return queued_to == 0 && cancelled != nullptr && cancelled->load(); }
@@ -57,6 +58,7 @@ struct Inflight {
   std::vector<Segment> segments;
   absl::Time sent;
   int64_t rows = 0;
+  int64_t bytes = 0;  // of its inputs' tensors
 };
 
 // Rows [begin, end) of an output: tensors along dim 0, tuples and lists element-wise;
@@ -79,10 +81,11 @@ std::string BucketOf(const std::vector<at::Tensor>& inputs) {
 }  // namespace
 
 struct ServingQueue::Impl {
-  explicit Impl(const Options& o) : options(o) {}
+  explicit Impl(const Options& o) : options(o), max_message_bytes(o.max_message_bytes) {}
 
   const Options options;
   mutable absl::Mutex mu;
+  int64_t max_message_bytes ABSL_GUARDED_BY(mu);  // options' unless SetMaxMessageBytes
   absl::CondVar wake;
   bool stopped ABSL_GUARDED_BY(mu) = false;    // refuses requests
   bool exiting ABSL_GUARDED_BY(mu) = false;    // the batcher ends
@@ -145,6 +148,12 @@ struct ServingQueue::Impl {
     }
   }
 
+  // What a micro-batch's tensors may take: the message bound less room for the rest of
+  // the message (pickle framing, ids).
+  int64_t MessageBudget() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return std::max<int64_t>(max_message_bytes - (int64_t{64} << 10), 1);
+  }
+
   // The bucket to send now, if any (the one whose oldest request came first among
   // those full or due); else when the next one is due.
   std::string Pick(absl::Time now, bool only_full, absl::Time* next_due) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
@@ -157,13 +166,18 @@ struct ServingQueue::Impl {
         it = buckets.erase(it);
         continue;
       }
-      int64_t waiting = 0;
+      // Full: max_batch rows, or as many bytes as a micro-batch may carry.
+      int64_t waiting = 0, waiting_bytes = 0;
       for (const auto& r : q) {
-        if (!r->finished && r->bucket == it->first && !r->Abandoned()) waiting += r->rows - r->queued_to;
-        if (waiting >= options.max_batch) break;
+        if (!r->finished && r->bucket == it->first && !r->Abandoned()) {
+          waiting += r->rows - r->queued_to;
+          waiting_bytes += (r->rows - r->queued_to) * r->row_bytes;
+        }
+        if (waiting >= options.max_batch || waiting_bytes >= MessageBudget()) break;
       }
+      const bool full = waiting >= options.max_batch || waiting_bytes >= MessageBudget();
       const absl::Time due = q.front()->arrival + options.max_delay;
-      if (waiting >= options.max_batch || (!only_full && (due <= now || q.front()->solo))) {
+      if (full || (!only_full && (due <= now || q.front()->solo))) {
         if (q.front()->arrival < pick_arrival) {
           pick = it->first;
           pick_arrival = q.front()->arrival;
@@ -192,10 +206,15 @@ struct ServingQueue::Impl {
         q.pop_front();
         continue;
       }
-      const int64_t n = std::min(r->rows - r->queued_to, options.max_batch - f.rows);
+      // Rows up to max_batch, and bytes up to the message bound (one row at least:
+      // Submit refused requests one row of which is larger).
+      const int64_t fit = r->row_bytes > 0 ? (MessageBudget() - f.bytes) / r->row_bytes : r->rows;
+      const int64_t n = std::min({r->rows - r->queued_to, options.max_batch - f.rows, fit});
+      if (n <= 0) break;  // full by bytes: it goes first in the next micro-batch
       f.segments.push_back({r, r->generation, r->queued_to, r->queued_to + n});
       r->queued_to += n;
       f.rows += n;
+      f.bytes += n * r->row_bytes;
       if (r->queued_to == r->rows) q.pop_front();
       if (r->solo) break;  // alone: nothing shares its micro-batch
     }
@@ -360,6 +379,7 @@ absl::Status ServingQueue::Submit(std::string input, Done done, std::shared_ptr<
       r->inputs.push_back(t.contiguous());
     }
     if (r->inputs.empty()) return absl::InvalidArgumentError("input: forward() takes no arguments to batch");
+    for (const at::Tensor& t : r->inputs) r->row_bytes += static_cast<int64_t>(t.nbytes()) / r->rows;
     return absl::OkStatus();
   });
   if (!checked.ok()) {
@@ -371,6 +391,11 @@ absl::Status ServingQueue::Submit(std::string input, Done done, std::shared_ptr<
   r->cancelled = std::move(cancelled);
   absl::MutexLock lock(&impl_->mu);
   if (impl_->stopped) return impl_->stop_reason;
+  if (r->row_bytes > impl_->MessageBudget()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "input: one row of this request holds ", r->row_bytes, " bytes of tensors, more than a micro-batch may carry (",
+        impl_->MessageBudget(), " bytes: the coordinator's --max-message-mib less framing); send smaller rows"));
+  }
   if (impl_->unfinished >= o.max_queued) {
     return absl::ResourceExhaustedError(absl::StrCat(impl_->unfinished, " requests wait already (the serving job's "
                                                      "limit); try again shortly"));
@@ -486,7 +511,8 @@ void ServingQueue::OnResult(const ServeResult& result) {
       a.status = merged;
       impl_->Complete(r, std::move(a), &calls);
     }
-  } else if (result.aborted() && (live.size() > 1 || (live.size() == 1 && !live[0]->solo))) {
+  } else if ((result.aborted() || result.too_large()) &&
+             (live.size() > 1 || (live.size() == 1 && !live[0]->solo))) {
     // One of them does not fit the model: each goes again alone. A single live request
     // that was not alone goes again too: the culprit may be a stale segment of a request
     // already sent alone (split over two micro-batches), not this one.
@@ -499,12 +525,14 @@ void ServingQueue::OnResult(const ServeResult& result) {
       r->bucket = absl::StrCat("#", r->id);
       impl_->buckets[r->bucket].push_back(r);
     }
-    log::Info("job={} micro-batch {} of {} requests failed in the model ({}); sending each alone",
-              impl_->options.job_id, result.step(), live.size(), result.error());
+    log::Info("job={} micro-batch {} of {} requests failed {} ({}); sending each alone", impl_->options.job_id,
+              result.step(), live.size(), result.too_large() ? "by its output's size" : "in the model", result.error());
     impl_->wake.Signal();
   } else {
     const absl::Status why =
-        result.aborted()
+        result.too_large()
+            ? absl::ResourceExhaustedError(absl::StrCat("output: ", result.error(), "; send fewer rows per request"))
+        : result.aborted()
             ? absl::InvalidArgumentError(absl::StrCat("input: the model failed on this request: ", result.error()))
             : output.status();
     for (auto& r : live) impl_->Complete(*r, Answer{why}, &calls);
@@ -512,6 +540,16 @@ void ServingQueue::OnResult(const ServeResult& result) {
   impl_->mu.Unlock();
   Impl::Run(calls);
   impl_->mu.Lock();
+}
+
+void ServingQueue::SetMaxMessageBytes(int64_t bytes) {
+  absl::MutexLock lock(&impl_->mu);
+  impl_->max_message_bytes = bytes;
+}
+
+int64_t ServingQueue::max_message_bytes() const {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->max_message_bytes;
 }
 
 metrics::Histogram ServingQueue::LatencySeconds() const {

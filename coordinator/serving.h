@@ -53,6 +53,12 @@ class ServingQueue {
     std::vector<std::string> input_dtypes; // per argument, as the plan saw them ("float32"; "" unknown)
     std::vector<int> input_dims;           // per argument, number of dimensions (-1 unknown)
     int max_queued = 4096;                 // requests waiting at once; more: RESOURCE_EXHAUSTED
+    // The most bytes of tensors a micro-batch's inputs, and its output, may hold: they
+    // travel in one gRPC message each (to the workers, back to the coordinator, whose
+    // --max-message-mib bounds it). Micro-batches take fewer rows to stay within it; a
+    // request one row of which is larger, or whose output alone is, fails alone with
+    // RESOURCE_EXHAUSTED (the connection and the job go on).
+    int64_t max_message_bytes = int64_t{16} << 20;
   };
 
   struct Answer {
@@ -89,6 +95,9 @@ class ServingQueue {
   void Stop(const absl::Status& why);
   // The last rank's answer for a micro-batch (other attempts' are ignored).
   void OnResult(const ServeResult& result);
+  // The message bound (Options::max_message_bytes) of the coordinator it runs in.
+  void SetMaxMessageBytes(int64_t bytes);
+  int64_t max_message_bytes() const;
   ServingStats Stats() const;
   // Request latency (arrival to answer, seconds) of every answered request, for /metrics.
   metrics::Histogram LatencySeconds() const;

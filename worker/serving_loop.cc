@@ -23,7 +23,8 @@ absl::StatusOr<std::vector<c10::IValue>> ArgumentsOf(const ServeBatch& batch, in
   return v->toTupleRef().elements().vec();
 }
 
-WorkerMessage ResultOf(const Assignment& a, int64_t step, const absl::StatusOr<stage::StepResult>& res) {
+WorkerMessage ResultOf(const Assignment& a, const ServeBatch& batch, const absl::StatusOr<stage::StepResult>& res) {
+  const int64_t step = batch.step();
   WorkerMessage m;
   ServeResult* r = m.mutable_serve_result();
   r->set_job_id(a.job_id());
@@ -36,6 +37,15 @@ WorkerMessage ResultOf(const Assignment& a, int64_t step, const absl::StatusOr<s
   } else {
     r->set_seconds(res->step_seconds);
     std::vector<char> bytes = torch::jit::pickle_save(res->output);
+    if (batch.max_output_bytes() > 0 && static_cast<int64_t>(bytes.size()) > batch.max_output_bytes()) {
+      // Sent as it is, it would end this worker's stream to the coordinator.
+      r->set_ok(false);
+      r->set_too_large(true);
+      r->set_error(absl::StrCat("the output of ", batch.rows(), " rows is ", bytes.size(),
+                                " bytes, more than one message to the coordinator may carry (",
+                                batch.max_output_bytes(), " bytes: its --max-message-mib)"));
+      return m;
+    }
     r->set_output(bytes.data(), bytes.size());
   }
   return m;
@@ -55,7 +65,7 @@ absl::Status RunServing(const Assignment& a, job::RankJob& rank_job, RankControl
     // Steps number the messages between ranks (the tag keeps their low 16 bits).
     absl::StatusOr<stage::StepResult> res = rank_job.ServeStep(static_cast<int>(batch->step() & 0x7fffffff), *args);
     if (!res.ok() && !absl::IsAborted(res.status())) {
-      if (last && !absl::IsCancelled(res.status())) write(ResultOf(a, batch->step(), res));
+      if (last && !absl::IsCancelled(res.status())) write(ResultOf(a, *batch, res));
       return res.status();
     }
     if (res.ok()) {
@@ -63,7 +73,7 @@ absl::Status RunServing(const Assignment& a, job::RankJob& rank_job, RankControl
     } else {
       metrics.OnAbortedStep();
     }
-    if (last && !write(ResultOf(a, batch->step(), res))) {
+    if (last && !write(ResultOf(a, *batch, res))) {
       return absl::UnavailableError("the stream to the coordinator broke while sending a serving output");
     }
   }

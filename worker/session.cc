@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/grpc_limits.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "common/systemd.h"
@@ -92,7 +93,7 @@ std::string Session::WhyUnreachable(const std::shared_ptr<grpc::Channel>& channe
 absl::Status Session::Connect(absl::Duration connect_timeout) {
   registered_ = false;
   grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(64 << 20);
+  args.SetMaxReceiveMessageSize(static_cast<int>(kWorkerMaxMessageBytes));
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
