@@ -569,6 +569,14 @@ void Coordinator::Loop() {
         scheduled_at_ = now;
         Schedule();
       }
+      if (!options_.test_stall_on_job_name.empty()) {
+        for (const auto& [id, run] : jobs_) {
+          if (run->job().spec().name() != options_.test_stall_on_job_name) continue;
+          log::Warn("job={} --test-stall-on-job-name {}: the loop stops turning, holding its lock", id,
+                    options_.test_stall_on_job_name);
+          absl::SleepFor(absl::Seconds(600));
+        }
+      }
       for (auto& [id, run] : jobs_) {
         if (!run->RecoveryExpired(now)) continue;
         EndJob(*run, FAILED,

@@ -51,6 +51,7 @@ struct Flags {
   int max_finished_jobs = 0;
   int metrics_port = -1;
   bool insecure = false;
+  std::string test_stall_on_job_name;
 };
 
 void AddFlags(CLI::App& app, Flags* f) {
@@ -117,6 +118,8 @@ void AddFlags(CLI::App& app, Flags* f) {
                "listen beyond loopback without TLS, worker mTLS or user tokens: anyone who reaches the port can "
                "register as a worker (and receive users' models and data) or submit and cancel jobs; logged as a "
                "warning, and pippyctl health says so");
+  // Hidden (no --help line): a fault for tests.
+  app.add_option("--test-stall-on-job-name", f->test_stall_on_job_name)->group("");
   app.add_option("--log-level", f->log_level, "debug | info | warn | error")
       ->check(CLI::IsMember({"debug", "info", "warn", "error", "off"}))->capture_default_str();
 }
@@ -225,6 +228,7 @@ int Serve(const Flags& f) {
   opts.job_retention = absl::Seconds(f.job_retention_days * 86400);
   opts.max_finished_jobs = f.max_finished_jobs;
   opts.max_message_bytes = int64_t{f.max_message_mib} << 20;
+  opts.test_stall_on_job_name = f.test_stall_on_job_name;
   auto logic = coordinator::Coordinator::Create(opts);
   if (!logic.ok()) return cli::Fail(kProgram, logic.status());
   g_coordinator = logic->get();
