@@ -295,7 +295,7 @@ int Serve(const Flags& f) {
     log::Info("loopback only: without {}, only this host can reach it (--bind another address needs them, or "
               "--insecure)", missing);
   }
-  systemd::NotifyReady(absl::StrCat("serving on ", f.bind, ":", bound));
+  systemd::NotifyReady(absl::StrCat("serving on ", *bind, ":", bound));
   // Health tells the truth about the coordinator's own loop: NOT_SERVING (and no
   // watchdog pings) while it has not turned for 10 s, SERVING again when it does.
   const absl::Duration stall = absl::Seconds(10);

@@ -1,4 +1,5 @@
 // pippy-worker: parses flags and runs the agent; nothing else.
+#include "absl/strings/str_cat.h"
 #include "common/cli.h"
 #include "common/log.h"
 #include "worker/worker_agent.h"
@@ -46,6 +47,11 @@ int main(int argc, char** argv) {
                  "serve Prometheus metrics at http://0.0.0.0:PORT/metrics (steps, step time, bytes moved, "
                  "checkpoints); 0: any free port")
       ->check(CLI::Range(0, 65535));
+  int port_offset = 0;
+  app.add_option("--port-offset", port_offset,
+                 "added to --health-port and --metrics-port (a unit template's instance number: one set of ports "
+                 "per worker on a host)")
+      ->check(CLI::Range(0, 10000))->capture_default_str();
   app.add_option("--tls-ca", o.tls_ca, "TLS to the coordinator: the CA that signed its certificate (PEM)")
       ->envname("PIPPY_TLS_CA")->check(CLI::ExistingFile);
   app.add_option("--tls-cert", o.tls_cert, "this worker's client certificate for mTLS (PEM; with --tls-key)")
@@ -58,6 +64,15 @@ int main(int argc, char** argv) {
   if (auto code = cli::Parse(app, argc, argv)) return *code;
   absl::Status logging = log::InitWithLevel("worker", log_level);
   if (!logging.ok()) return cli::Fail(kProgram, logging);
+  for (int* port : {&o.health_port, &o.metrics_port}) {
+    if (*port <= 0) continue;  // none, or any free port
+    *port += port_offset;
+    if (*port > 65535) {
+      return cli::Fail(kProgram, absl::InvalidArgumentError(absl::StrCat(
+                                     "--port-offset ", port_offset, ": a port beyond 65535 (", *port,
+                                     "); give smaller base ports or offsets")));
+    }
+  }
   o.wait_timeout = absl::Seconds(wait_timeout_s);
   o.reconnect_timeout = absl::Seconds(reconnect_timeout_s);
   if (openblas_set_num_threads) openblas_set_num_threads(o.threads);

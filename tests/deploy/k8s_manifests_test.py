@@ -62,11 +62,74 @@ def check(value, type_name, path, errors):
         check(v, model.openapi_types[by_json[key]], f"{path}.{key}", errors)
 
 
+def pod_specs(doc):
+    """The pod template specs of a workload object."""
+    if doc.get("kind") in ("StatefulSet", "Deployment", "DaemonSet"):
+        yield doc["spec"]["template"]["spec"]
+
+
+def check_pod(spec, where, errors, run_as):
+    """Secure by default: non-root, read-only root file system, no privilege escalation,
+    no capabilities; probes whose pippyctl deadline fits in their timeoutSeconds."""
+    pod = spec.get("securityContext", {})
+    for c in spec.get("containers", []):
+        at = f"{where} container {c.get('name')}"
+        sc = c.get("securityContext", {})
+        if not sc.get("runAsNonRoot", pod.get("runAsNonRoot")):
+            errors.append(f"{at}: runAsNonRoot is not set")
+        uid = sc.get("runAsUser", pod.get("runAsUser"))
+        if uid != run_as:
+            errors.append(f"{at}: runAsUser {uid} is not the image's USER {run_as}")
+        if sc.get("readOnlyRootFilesystem") is not True:
+            errors.append(f"{at}: readOnlyRootFilesystem is not true")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            errors.append(f"{at}: allowPrivilegeEscalation is not false")
+        if "ALL" not in sc.get("capabilities", {}).get("drop", []):
+            errors.append(f"{at}: capabilities do not drop ALL")
+        for kind in ("readinessProbe", "livenessProbe", "startupProbe"):
+            probe = c.get(kind)
+            if probe is None:
+                continue
+            command = probe.get("exec", {}).get("command", [])
+            timeout = probe.get("timeoutSeconds", 1)  # Kubernetes' default
+            if "--timeout-s" not in command:
+                errors.append(f"{at} {kind}: the command has no --timeout-s deadline")
+                continue
+            deadline = float(command[command.index("--timeout-s") + 1])
+            if deadline >= timeout:
+                errors.append(f"{at} {kind}: --timeout-s {deadline:g} does not finish within timeoutSeconds {timeout}")
+
+
+def dockerfile_user(path, errors):
+    """The final stage's numeric USER of a multi-stage Dockerfile (None if it has none)."""
+    lines = [l.strip() for l in open(path) if l.strip() and not l.strip().startswith("#")]
+    froms = [i for i, l in enumerate(lines) if l.upper().startswith("FROM ")]
+    if len(froms) < 2:
+        errors.append(f"{path}: not multi-stage ({len(froms)} FROM)")
+    users = [l.split()[1] for l in lines[froms[-1]:] if l.upper().startswith("USER ")] if froms else []
+    if not users:
+        errors.append(f"{path}: the final stage sets no USER (it would run as root)")
+        return None
+    uid = users[-1].split(":")[0]
+    if not uid.isdigit() or int(uid) == 0:
+        errors.append(f"{path}: USER {users[-1]}: give a numeric non-root uid (runAsNonRoot checks numbers)")
+        return None
+    return int(uid)
+
+
 def main():
     root = sys.argv[1] if len(sys.argv) > 1 else "deploy/k8s"
-    files = sorted(glob.glob(os.path.join(root, "*.yaml")))
+    dockerfile = sys.argv[2] if len(sys.argv) > 2 else os.path.join(root, "..", "Dockerfile")
+    files = sorted(f for f in glob.glob(os.path.join(root, "*.yaml")) if os.path.basename(f) != "kustomization.yaml")
     assert files, f"no manifests under {root}"
     errors, objects = [], 0
+    run_as = dockerfile_user(dockerfile, errors)
+    kustomization = yaml.safe_load(open(os.path.join(root, "kustomization.yaml")))
+    image_names = {i["name"] for i in kustomization.get("images", []) if i.get("newName")}
+    missing = sorted(set(map(os.path.basename, files)) - set(kustomization.get("resources", [])))
+    if missing:
+        errors.append(f"kustomization.yaml: resources lack {missing}")
+    pods = 0
     for f in files:
         for i, doc in enumerate(yaml.safe_load_all(open(f))):
             if doc is None:
@@ -78,14 +141,28 @@ def main():
                 errors.append(f"{where}: unknown kind {key}")
                 continue
             check(doc, KINDS[key], where, errors)
-    # The test must be able to fail: a misspelled field is caught.
+            for spec in pod_specs(doc):
+                pods += 1
+                check_pod(spec, where, errors, run_as)
+                for c in spec.get("containers", []):
+                    if c.get("image") not in image_names:
+                        errors.append(f"{where}: image {c.get('image')!r} is not set by kustomization.yaml's images "
+                                      f"({sorted(image_names)})")
+    # The test must be able to fail: a misspelled field is caught, and so are a root
+    # container and a probe whose deadline outlasts its timeout.
+    bad = []
+    check_pod({"containers": [{"name": "x", "readinessProbe": {"exec": {"command": ["pippyctl", "health",
+              "--timeout-s", "2"]}}}]}, "self-test", bad, 10001)
+    assert len(bad) >= 6, f"the security checks miss a bare container: {bad}"
     probe = []
     check({"apiVersion": "v1", "kind": "Service", "spec": {"selectr": {}}}, "V1Service", "self-test", probe)
     assert probe, "the checker misses unknown fields"
     for e in errors:
         print(f"FAIL {e}")
     print(f"{'ok  ' if not errors else 'FAIL'} {objects} objects in {len(files)} manifest(s) checked against the "
-          f"Kubernetes {client.__version__.split('.')[0]}.x models: {len(errors)} error(s)")
+          f"Kubernetes {client.__version__.split('.')[0]}.x models, {pods} pod templates for the security context "
+          f"(runAsNonRoot as uid {run_as}, the Dockerfile's USER; read-only root; no escalation; no capabilities), "
+          f"probe deadlines and the kustomize image: {len(errors)} error(s)")
     return 1 if errors else 0
 
 
