@@ -7,6 +7,7 @@
 #include "absl/strings/str_join.h"
 #include "common/grpc_limits.h"
 #include "common/log.h"
+#include "common/test_hooks.h"
 #include "common/status.h"
 #include "coordinator/rank_sender.h"
 #include "coordinator/result_assembly.h"
@@ -569,13 +570,8 @@ void Coordinator::Loop() {
         scheduled_at_ = now;
         Schedule();
       }
-      if (!options_.test_stall_on_job_name.empty()) {
-        for (const auto& [id, run] : jobs_) {
-          if (run->job().spec().name() != options_.test_stall_on_job_name) continue;
-          log::Warn("job={} --test-stall-on-job-name {}: the loop stops turning, holding its lock", id,
-                    options_.test_stall_on_job_name);
-          absl::SleepFor(absl::Seconds(600));
-        }
+      if (test_hooks::Enabled()) {
+        for (const auto& [id, run] : jobs_) test_hooks::MaybeStallLoop(id, run->job().spec().name());
       }
       for (auto& [id, run] : jobs_) {
         if (!run->RecoveryExpired(now)) continue;

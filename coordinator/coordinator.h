@@ -74,10 +74,6 @@ class Coordinator {
     // The largest gRPC message the coordinator receives (--max-message-mib): serving
     // micro-batches and their outputs stay within it (and within a worker's 64 MiB).
     int64_t max_message_bytes = int64_t{16} << 20;
-    // A test's fault (hidden --test-stall-on-job-name NAME): once a job of that name is
-    // queued, the loop stops turning while it holds the coordinator's lock, as a
-    // stuck lock would (liveness_test: health turns NOT_SERVING, SIGTERM still stops).
-    std::string test_stall_on_job_name;
     // Jobs a user may have waiting (QUEUED, or being prepared and staged) at once; 0: no limit.
     int max_queued_per_user = 0;
     // Submissions are prepared and results assembled in children of this

@@ -19,6 +19,7 @@
 #include "absl/strings/str_join.h"
 #include "common/cli.h"
 #include "common/log.h"
+#include "common/test_hooks.h"
 #include "common/metrics.h"
 #include "common/systemd.h"
 #include "common/tls.h"
@@ -118,8 +119,8 @@ void AddFlags(CLI::App& app, Flags* f) {
                "listen beyond loopback without TLS, worker mTLS or user tokens: anyone who reaches the port can "
                "register as a worker (and receive users' models and data) or submit and cancel jobs; logged as a "
                "warning, and pippyctl health says so");
-  // Hidden (no --help line): a fault for tests.
-  app.add_option("--test-stall-on-job-name", f->test_stall_on_job_name)->group("");
+  // Test builds only, hidden (no --help line): a fault for the e2e tests.
+  if (test_hooks::Enabled()) app.add_option("--test-stall-on-job-name", f->test_stall_on_job_name)->group("");
   app.add_option("--log-level", f->log_level, "debug | info | warn | error")
       ->check(CLI::IsMember({"debug", "info", "warn", "error", "off"}))->capture_default_str();
 }
@@ -228,7 +229,7 @@ int Serve(const Flags& f) {
   opts.job_retention = absl::Seconds(f.job_retention_days * 86400);
   opts.max_finished_jobs = f.max_finished_jobs;
   opts.max_message_bytes = int64_t{f.max_message_mib} << 20;
-  opts.test_stall_on_job_name = f.test_stall_on_job_name;
+  test_hooks::SetStallOnJobName(f.test_stall_on_job_name);
   auto logic = coordinator::Coordinator::Create(opts);
   if (!logic.ok()) return cli::Fail(kProgram, logic.status());
   g_coordinator = logic->get();

@@ -2,6 +2,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/cli.h"
 #include "common/log.h"
+#include "common/test_hooks.h"
 #include "worker/worker_agent.h"
 
 extern "C" void openblas_set_num_threads(int) __attribute__((weak));
@@ -59,8 +60,9 @@ int main(int argc, char** argv) {
   app.add_option("--tls-key", o.tls_key, "the client certificate's private key (PEM)")->check(CLI::ExistingFile);
   app.add_option("--log-level", log_level, "debug | info | warn | error")
       ->check(CLI::IsMember({"debug", "info", "warn", "error", "off"}))->capture_default_str();
-  // Hidden (no --help line): a fault for tests, never set by an environment variable.
-  app.add_option("--test-die-in-checkpoint", o.test_die_in_checkpoint)->group("");
+  // Test builds only, hidden (no --help line): a fault for the e2e tests.
+  int die_in_checkpoint = -1;
+  if (test_hooks::Enabled()) app.add_option("--test-die-in-checkpoint", die_in_checkpoint)->group("");
   if (auto code = cli::Parse(app, argc, argv)) return *code;
   absl::Status logging = log::InitWithLevel("worker", log_level);
   if (!logging.ok()) return cli::Fail(kProgram, logging);
@@ -73,6 +75,7 @@ int main(int argc, char** argv) {
                                      "); give smaller base ports or offsets")));
     }
   }
+  test_hooks::SetDieInCheckpoint(die_in_checkpoint);
   o.wait_timeout = absl::Seconds(wait_timeout_s);
   o.reconnect_timeout = absl::Seconds(reconnect_timeout_s);
   if (openblas_set_num_threads) openblas_set_num_threads(o.threads);

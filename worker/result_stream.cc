@@ -1,14 +1,10 @@
 #include "worker/result_stream.h"
 
-#include <atomic>
-#include <csignal>
-#include <cstdio>
-#include <cstdlib>
-
 #include "absl/strings/str_cat.h"
 #include "common/chunker.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "common/test_hooks.h"
 #include "pipeline/stage/microbatch.h"
 #include "pipeline/torchio/model_io.h"
 #include "torch/csrc/jit/serialization/pickle.h"
@@ -40,22 +36,7 @@ absl::StatusOr<int64_t> Stream(const Writer& write, const Assignment& a, size_t 
       source);
 }
 
-std::atomic<int> g_die_in_checkpoint{-1};
-
-// A test's fault (SetTestDieInCheckpoint): this process SIGKILLs itself after sending
-// the first chunk of its checkpoint after step N (a worker lost in the middle of a
-// checkpoint).
-void MaybeDieInCheckpoint(int step) {
-  if (step == g_die_in_checkpoint.load()) {
-    log::Warn("--test-die-in-checkpoint {}: killing this worker in the middle of its checkpoint", step);
-    std::fflush(stderr);
-    raise(SIGKILL);
-  }
-}
-
 }  // namespace
-
-void SetTestDieInCheckpoint(int step) { g_die_in_checkpoint = step; }
 
 absl::Status SendStage(const Writer& write, const Assignment& a, int stage, const torch::jit::Module& module,
                        size_t chunk_bytes) {
@@ -88,7 +69,7 @@ absl::Status SendCheckpoint(const Writer& write, const Assignment& a, int step, 
     return [&, stage](WorkerMessage* m) {
       // Called once per chunk, before it is written: the test's fault strikes once the
       // first chunk went (a checkpoint is at least a stage and a state: 2 chunks).
-      if (chunks++ == 1) MaybeDieInCheckpoint(step);
+      if (chunks++ == 1) test_hooks::MaybeDieInCheckpoint(step);
       CheckpointChunk* c = m->mutable_checkpoint();
       c->set_step(step);
       c->set_rank(a.rank());

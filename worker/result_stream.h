@@ -35,11 +35,6 @@ absl::Status SendOutputs(const Writer& write, const Assignment& a, const std::ve
 absl::Status SendCheckpoint(const Writer& write, const Assignment& a, int step, job::RankJob& rank_job,
                             size_t chunk_bytes = kResultChunk);
 
-// A test's fault: after this, the process SIGKILLs itself after sending the first
-// chunk of its checkpoint after `step` (-1: never). Set from the worker's hidden
-// --test-die-in-checkpoint flag only.
-void SetTestDieInCheckpoint(int step);
-
 }  // namespace pippy::worker
 
 #endif  // PIPPY_WORKER_RESULT_STREAM_H_

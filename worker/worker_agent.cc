@@ -241,7 +241,6 @@ absl::Status Agent::RunRank(ReceivedAssignment in) {
 }
 
 absl::Status RunAgent(const AgentOptions& options) {
-  SetTestDieInCheckpoint(options.test_die_in_checkpoint);
   PIPPY_ASSIGN_OR_RETURN(Device device, ProcessDevice(options.device));
   if (device.is_gpu()) {
     // The stages run there: this build must reach the device (CUDA runtime, NCCL).

@@ -55,9 +55,6 @@ struct AgentOptions {
   // TLS to the coordinator: the CA that signed its certificate; this worker's
   // certificate and key for mTLS (--tls-client-ca on the coordinator). Empty: plain.
   std::string tls_ca, tls_cert, tls_key;
-  // A test's fault (hidden --test-die-in-checkpoint STEP): SIGKILL this process after
-  // the first chunk of its checkpoint after STEP. -1: never.
-  int test_die_in_checkpoint = -1;
 };
 
 // Connects and serves. When the coordinator goes away (it stopped, restarted, or the
