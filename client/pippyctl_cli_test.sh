@@ -48,9 +48,12 @@ expect submit-data-and-synthetic 2 "excludes --synthetic" -- submit "$ZOO/mlp.pt
 expect submit-negative-checkpoint 2 "--checkpoint-every" -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --schedule 1f1b --microbatches 2 --batch-size 8 --loss mse --optimizer sgd --checkpoint-every -1
 expect submit-zero-recovery-timeout 2 "--recovery-timeout-s: must be > 0" -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --schedule 1f1b --microbatches 2 --batch-size 8 --loss mse --optimizer sgd --recovery-timeout-s 0
 # Checked before anything is uploaded: the spec's own fields.
-expect submit-spec-checked-first 2 "batch_size: 6 does not split into 4" -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --schedule 1f1b --stages 2 --microbatches 4 --batch-size 6 --loss mse --optimizer sgd
+expect submit-spec-checked-first 2 "--batch-size: 6 does not split into 4 equal micro-batches; use a --microbatches that divides it: 1, 2, 3, 6" -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --schedule 1f1b --stages 2 --microbatches 4 --batch-size 6 --loss mse --optimizer sgd
 expect submit-momentum-adam 2 "only sgd takes momentum" -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --schedule 1f1b --stages 2 --microbatches 2 --batch-size 8 --loss mse --optimizer adam --momentum 0.9
 expect fetch-needs-out 2 "--out is required" -- fetch job-1
+# --output json: errors are a JSON object on stderr too (parse errors and refusals).
+expect json-error-parse 2 '{"error": {"code": "INVALID_ARGUMENT", "message": "--schedule is required; run pippyctl --help"}}' -- --output json submit "$ZOO/mlp.pt"
+expect json-error-refusal 2 '{"error": {"code": "INVALID_ARGUMENT", "message": "--batch-size: 6 does not split into 4' -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --schedule 1f1b --stages 2 --microbatches 4 --batch-size 6 --loss mse --optimizer sgd --output json
 # No coordinator there: exit 3, naming where it looked ($PIPPY_COORDINATOR is the fallback).
 PIPPY_COORDINATOR=127.0.0.1:1 expect unreachable 3 "cannot reach the coordinator at 127.0.0.1:1" -- list
 expect unreachable-flag-after-command 3 "cannot reach the coordinator at 127.0.0.1:1" -- list --coordinator 127.0.0.1:1

@@ -36,9 +36,15 @@ int main(int argc, char** argv) {
   AddScheduleCommand(app, globals, &exit_code);
   AddCertsCommand(app, &exit_code);
   const std::vector<std::string> value_options = {"--coordinator", "--output", "--tls-ca", "--token-file"};
+  // --output json anywhere on the line: errors as JSON objects on stderr too.
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if ((arg == "--output" && i + 1 < argc && std::string(argv[i + 1]) == "json") || arg == "--output=json") {
+      SetJsonErrors(true);
+    }
+  }
   if (auto unknown = UnknownCommand(app, argc, argv, value_options)) {
-    std::cerr << kProgram << ": " << *unknown << "\n";
-    return kExitBadInput;
+    return Fail(kProgram, absl::InvalidArgumentError(*unknown));
   }
   // `split` runs as pippyctl-split (LibTorch): hand it what follows the command.
   for (int i = 1; i < argc; ++i) {

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -20,11 +21,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/commands.h"
 #include "client/table.h"
 #include "common/cli.h"
+#include "common/proto_json.h"
 #include "common/tls.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/grpcpp.h"
@@ -47,12 +51,57 @@ absl::Status FromGrpc(const grpc::Status& s, const std::string& coordinator) {
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
 
-std::string Json(const google::protobuf::Message& m) {
-  std::string out;
-  google::protobuf::util::JsonPrintOptions o;
-  o.preserve_proto_field_names = true;
-  (void)google::protobuf::util::MessageToJsonString(m, &out, o);
-  return out;
+std::string Json(const google::protobuf::Message& m) { return ProtoToJson(m); }
+
+// A refusal of a submission in the words the user typed: the API's messages name the
+// spec's fields (right for programs and the Python client); pippyctl names its flags
+// and the files given (the coordinator calls the uploads 'model' and 'data').
+absl::Status InCliWords(const absl::Status& s, const std::string& model, const std::string& data) {
+  if (s.ok()) return s;
+  // Dotted and snake_case names are unambiguous anywhere; one-word fields only where
+  // they lead the message ("steps: must be at least 1").
+  static const std::pair<const char*, const char*> kAnywhere[] = {
+      {"split: give split.stages or split.split_at", "give --stages or --split-at"},
+      {"schedule.microbatches", "--microbatches"},
+      {"schedule.stages_per_worker", "--stages-per-worker"},
+      {"schedule.kind", "--schedule"},
+      {"split.stages", "--stages"},
+      {"split.split_at", "--split-at"},
+      {"split.balance", "--balance"},
+      {"serving.max_batch", "--max-batch"},
+      {"serving.max_delay_ms", "--max-delay-ms"},
+      {"serving.max_inflight", "--max-inflight"},
+      {"optimizer.kind", "--optimizer"},
+      {"optimizer.lr", "--lr"},
+      {"optimizer.momentum", "--momentum"},
+      {"optimizer.weight_decay", "--weight-decay"},
+      {"optimizer.beta1", "--beta1"},
+      {"optimizer.beta2", "--beta2"},
+      {"optimizer.eps", "--eps"},
+      {"optimizer.clip_grad_norm", "--clip-grad-norm"},
+      {"fault_tolerance.checkpoint_every", "--checkpoint-every"},
+      {"fault_tolerance.max_restarts", "--max-restarts"},
+      {"fault_tolerance.recovery_timeout_s", "--recovery-timeout-s"},
+      {"data.synthetic", "--synthetic"},
+      {"batch_size", "--batch-size"},
+  };
+  static const std::pair<const char*, const char*> kLeading[] = {
+      {"steps: ", "--steps: "},     {"replicas: ", "--replicas: "}, {"precision: ", "--dtype: "},
+      {"loss: ", "--loss: "},       {"split: ", "--stages/--split-at: "},
+  };
+  std::string m(s.message());
+  for (const auto& [from, to] : kAnywhere) m = absl::StrReplaceAll(m, {{from, to}});
+  for (const auto& [from, to] : kLeading) {
+    if (absl::StartsWith(m, from)) m = absl::StrCat(to, m.substr(std::strlen(from)));
+  }
+  const std::string model_name = std::filesystem::path(model).filename().string();
+  m = absl::StrReplaceAll(m, {{"model: 'model'", absl::StrCat("model: '", model_name, "'")},
+                              {"loading 'model'", absl::StrCat("loading '", model_name, "'")}});
+  if (!data.empty()) {
+    const std::string data_name = std::filesystem::path(data).filename().string();
+    m = absl::StrReplaceAll(m, {{"data: 'data'", absl::StrCat("data: '", data_name, "'")}});
+  }
+  return absl::Status(s.code(), m);
 }
 
 // Plain or TLS (--tls-ca) credentials; a bad --tls-ca file was refused when the flags
@@ -89,9 +138,22 @@ std::unique_ptr<Coordinator::Stub> Connect(const GlobalFlags& g) {
   return Coordinator::NewStub(grpc::CreateCustomChannel(g.coordinator, Credentials(g), args));
 }
 
+// The first line of `text`, cut to `width` characters ("..." where cut): what a table
+// cell or a heading shows of a reason that may be a whole traceback.
+std::string FirstLine(const std::string& text, size_t width) {
+  std::string line = text.substr(0, text.find('\n'));
+  const bool more = line.size() < text.size();
+  if (line.size() > width) {
+    line = line.substr(0, width - 3) + "...";
+  } else if (more) {
+    line += " ...";
+  }
+  return line;
+}
+
 void PrintJob(const Job& j) {
   std::cout << "job " << j.job_id() << " (" << j.spec().name() << "): " << JobState_Name(j.state());
-  if (!j.reason().empty()) std::cout << " — " << j.reason();
+  if (!j.reason().empty()) std::cout << " — " << FirstLine(j.reason(), 160);
   std::cout << "\n  " << job::ModeName(j.spec().mode()) << ", schedule " << job::ScheduleName(j.spec().schedule().kind())
             << ", " << job::PrecisionName(j.spec().precision()) << ", " << j.plan().stages_size() << " stages on "
             << j.workers_size() << " workers, step " << j.step()
@@ -177,9 +239,25 @@ void PrintJob(const Job& j) {
         memory);
   }
   if (j.losses_size() > 0) {
-    std::cout << "  losses:";
-    for (double l : j.losses()) std::cout << " " << absl::StrFormat("%.4f", l);
+    // The last 10 (all of them: --output json), with the first and the lowest.
+    constexpr int kShown = 10;
+    const int n = j.losses_size();
+    if (n > kShown) {
+      int lowest = 0;
+      for (int i = 1; i < n; ++i) {
+        if (j.losses(i) < j.losses(lowest)) lowest = i;
+      }
+      std::cout << absl::StrFormat("  losses (%d steps): first %.4f, lowest %.4f at step %d, last %d:", n, j.losses(0),
+                                   j.losses(lowest), lowest + 1, kShown);
+    } else {
+      std::cout << "  losses:";
+    }
+    for (int i = std::max(0, n - kShown); i < n; ++i) std::cout << " " << absl::StrFormat("%.4f", j.losses(i));
     std::cout << "\n";
+  }
+  if (j.reason().find('\n') != std::string::npos) {
+    std::cout << "  reason, whole:\n";
+    for (absl::string_view line : absl::StrSplit(j.reason(), '\n')) std::cout << "    " << line << "\n";
   }
 }
 
@@ -409,10 +487,10 @@ absl::StatusOr<std::string> Submit(Coordinator::Stub* stub, const JobSpec& spec,
 
 int RunSubmit(const SubmitFlags& f, const GlobalFlags& g) {
   auto spec = SpecFrom(f);
-  if (!spec.ok()) return Fail(kProgram, spec.status());
+  if (!spec.ok()) return Fail(kProgram, InCliWords(spec.status(), f.model, f.data));
   auto stub = Connect(g);
   absl::StatusOr<std::string> id = Submit(stub.get(), *spec, f.model, f.data, g);
-  if (!id.ok()) return Fail(kProgram, id.status());
+  if (!id.ok()) return Fail(kProgram, InCliWords(id.status(), f.model, f.data));
   const bool json = g.output == "json";
   if (!f.wait) return kExitOk;
   auto job = Watch(stub.get(), *id, g);
@@ -515,10 +593,10 @@ int RunServe(const ServeFlags& f, const GlobalFlags& g) {
   }
   JobSpec checked = spec;
   absl::Status ok = job::CheckSpec(&checked);
-  if (!ok.ok()) return Fail(kProgram, ok);
+  if (!ok.ok()) return Fail(kProgram, InCliWords(ok, f.model, f.data));
   auto stub = Connect(g);
   absl::StatusOr<std::string> id = Submit(stub.get(), spec, f.model, f.data, g);
-  if (!id.ok()) return Fail(kProgram, id.status());
+  if (!id.ok()) return Fail(kProgram, InCliWords(id.status(), f.model, f.data));
   if (!f.wait) return kExitOk;
   // Until its stages are loaded and it answers requests.
   const absl::Time deadline = absl::Now() + absl::Seconds(f.wait_timeout_s);
@@ -661,7 +739,7 @@ int RunList(const ListArgs& a, const GlobalFlags& g) {
     t.AddRow({j.job_id(), j.spec().name(), j.user().empty() ? "-" : j.user(), JobState_Name(j.state()),
               job::ScheduleName(j.spec().schedule().kind()), absl::StrCat(j.num_stages()),
               absl::StrCat(j.step(), "/", j.spec().steps()),
-              j.has_last_loss() ? absl::StrFormat("%.4f", j.last_loss()) : "-", j.reason()});
+              j.has_last_loss() ? absl::StrFormat("%.4f", j.last_loss()) : "-", FirstLine(j.reason(), 80)});
   }
   std::cout << t.Render();
   return kExitOk;

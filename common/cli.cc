@@ -1,5 +1,8 @@
 #include "common/cli.h"
 
+#include "absl/strings/str_cat.h"
+#include "common/proto_json.h"
+
 #include <limits.h>
 #include <unistd.h>
 
@@ -35,8 +38,18 @@ int ExitCodeFor(const absl::Status& status) {
   }
 }
 
+namespace {
+bool g_json_errors = false;
+}  // namespace
+
+void SetJsonErrors(bool json) { g_json_errors = json; }
+
 int Fail(absl::string_view program, const absl::Status& status) {
-  std::cerr << program << ": " << status.message() << "\n";
+  if (g_json_errors) {
+    std::cerr << JsonError(status) << "\n";
+  } else {
+    std::cerr << program << ": " << status.message() << "\n";
+  }
   return ExitCodeFor(status);
 }
 
@@ -116,7 +129,12 @@ std::optional<int> Parse(CLI::App& app, int argc, char** argv) {
     std::string what = e.what();
     // CLI11 says "The following argument was not expected: --x"; keep its words, add
     // the program's name and where to look.
-    std::cerr << app.get_name() << ": " << what << "; run " << app.get_name() << " --help\n";
+    const std::string message = absl::StrCat(what, "; run ", app.get_name(), " --help");
+    if (g_json_errors) {
+      std::cerr << JsonError(absl::InvalidArgumentError(message)) << "\n";
+    } else {
+      std::cerr << app.get_name() << ": " << message << "\n";
+    }
     return kExitBadInput;
   }
   return std::nullopt;

@@ -31,8 +31,12 @@ constexpr int kExitUnavailable = 3;
 // RESOURCE_EXHAUSTED; unreachable for UNAVAILABLE and DEADLINE_EXCEEDED; internal else.
 int ExitCodeFor(const absl::Status& status);
 
-// Prints "<program>: <message>" to stderr and returns ExitCodeFor(status).
+// Prints "<program>: <message>" to stderr (or, after SetJsonErrors(true), a JSON object
+// {"error": {"code": "INVALID_ARGUMENT", "message": "..."}}) and returns
+// ExitCodeFor(status).
 int Fail(absl::string_view program, const absl::Status& status);
+// Errors (Fail's and Parse's) as JSON objects on stderr: pippyctl --output json.
+void SetJsonErrors(bool json);
 
 // Parses argv into `app` (whose name() is the program's name). Returns an exit code
 // when the program should stop now: 0 after --help, 2 after a parse error (printed to

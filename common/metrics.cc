@@ -1,11 +1,14 @@
 #include "common/metrics.h"
 
+#include <sys/socket.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/port_owner.h"
 #include "absl/strings/str_format.h"
 #include "httplib.h"
 
@@ -95,10 +98,18 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const std::string& host, i
   s->impl_->http.Get("/metrics", [render](const httplib::Request&, httplib::Response& res) {
     res.set_content(render(), "text/plain; version=0.0.4; charset=utf-8");
   });
+  // httplib's default sets SO_REUSEPORT, which lets a second daemon share the port
+  // (the kernel would split scrapes between them): a port in use is refused instead.
+  s->impl_->http.set_socket_options([](socket_t sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
   const int bound = port == 0 ? s->impl_->http.bind_to_any_port(host) : (s->impl_->http.bind_to_port(host, port) ? port : -1);
   if (bound <= 0) {
-    return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", host, ":", port,
-                                                   " (in use? choose another --metrics-port, or 0 for any free one)"));
+    const std::string owner = PortOwner(port);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--metrics-port ", port, ": ", host, ":", port, " is in use", owner.empty() ? "" : absl::StrCat(" by ", owner),
+        "; choose another --metrics-port, or 0 for any free one"));
   }
   s->port_ = bound;
   Impl* impl = s->impl_.get();

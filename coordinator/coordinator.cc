@@ -176,8 +176,8 @@ absl::Status Coordinator::Admit(const PreparedJob& prepared) {
         "split: the job needs ", need, " workers (", prepared.plan.stages_size(), " stages, ",
         prepared.spec.schedule().stages_per_worker(), " per worker",
         replicas > 1 ? absl::StrCat(", ", replicas, " replicas") : "", ") but only ", registered,
-        " are registered; use fewer stages, more stages per worker (an interleaved schedule)",
-        replicas > 1 ? " or fewer replicas" : ""));
+        registered == 1 ? " is" : " are", " registered; use fewer stages, more stages per worker (an interleaved "
+        "schedule)", replicas > 1 ? ", fewer replicas" : "", " or start more workers"));
   }
   // GPU workers only: a rank whose stages fit none of them can never be placed.
   const WorkerRegistry::Capacity capacity = workers_->capacity();

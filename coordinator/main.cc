@@ -19,6 +19,7 @@
 #include "absl/strings/str_join.h"
 #include "common/cli.h"
 #include "common/log.h"
+#include "common/port_owner.h"
 #include "common/test_hooks.h"
 #include "common/metrics.h"
 #include "common/systemd.h"
@@ -273,12 +274,18 @@ int Serve(const Flags& f) {
     builder.experimental().SetInterceptorCreators(std::move(interceptors));
   }
   builder.SetMaxReceiveMessageSize(f.max_message_mib << 20);
+  // gRPC sets SO_REUSEPORT by default: a second coordinator on the port would share it,
+  // the kernel splitting clients and workers between the two. Refused instead.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.RegisterService(&api);
   builder.RegisterService(&hub);
   g_server = builder.BuildAndStart();
   if (!g_server || bound == 0) {
-    return cli::Fail(kProgram, absl::UnavailableError(absl::StrCat("cannot listen on ", *bind, ":", f.port,
-                                                                   " (in use? another --port, or --port 0)")));
+    const std::string owner = PortOwner(f.port);
+    return cli::Fail(kProgram, absl::FailedPreconditionError(absl::StrCat(
+                                   "--port ", f.port, ": cannot listen on ", *bind, ":", f.port,
+                                   owner.empty() ? "" : absl::StrCat(": in use by ", owner),
+                                   " (stop it, or give another --port; --port 0 picks a free one)")));
   }
   if (!f.port_file.empty()) {
     absl::Status written = WritePortFile(f.port_file, bound);

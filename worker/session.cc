@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/grpc_limits.h"
 #include "common/log.h"
+#include "common/port_owner.h"
 #include "common/status.h"
 #include "common/systemd.h"
 #include "common/tls.h"
@@ -46,10 +47,13 @@ absl::Status Session::Run() {
     builder.RegisterService(health_service_.get());
     int bound = 0;
     builder.AddListeningPort(absl::StrCat("0.0.0.0:", options_.health_port), grpc::InsecureServerCredentials(), &bound);
+    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);  // a port in use is refused, not shared
     health_server_ = builder.BuildAndStart();
     if (!health_server_ || bound == 0) {
-      return absl::UnavailableError(absl::StrCat("cannot serve health checks on port ", options_.health_port,
-                                                 " (in use? another --health-port)"));
+      const std::string owner = PortOwner(options_.health_port);
+      return absl::FailedPreconditionError(absl::StrCat(
+          "--health-port ", options_.health_port, ": the port is in use", owner.empty() ? "" : absl::StrCat(" by ", owner),
+          "; choose another --health-port (or --port-offset), or 0 for any free one"));
     }
     log::Info("health checks (grpc.health.v1.Health) on port {}", bound);
   }

@@ -117,11 +117,21 @@ absl::Status CheckSpec(JobSpec* spec) {
   if (spec->replicas() == 0) spec->set_replicas(1);
   if (spec->replicas() > 1 && !train) return Bad("replicas", "data parallelism is for training jobs");
   if (spec->batch_size() % (int64_t{spec->replicas()} * sched->microbatches()) != 0) {
+    // The micro-batch counts that would fit (the divisors of the batch per replica).
+    std::vector<int64_t> fit;
+    const int64_t per_replica = spec->batch_size() % spec->replicas() == 0 ? spec->batch_size() / spec->replicas() : 0;
+    for (int64_t m = 1; m <= per_replica && fit.size() < 12; ++m) {
+      if (per_replica % m == 0) fit.push_back(m);
+    }
+    const std::string hint =
+        fit.empty() ? absl::StrCat("; make batch_size a multiple of replicas (", spec->replicas(), ")")
+                    : absl::StrCat("; use a schedule.microbatches that divides it: ", absl::StrJoin(fit, ", "),
+                                   fit.size() == 12 ? ", ..." : "");
     return Bad("batch_size", spec->replicas() == 1
                                  ? absl::StrCat(spec->batch_size(), " does not split into ", sched->microbatches(),
-                                                " equal micro-batches")
+                                                " equal micro-batches", hint)
                                  : absl::StrCat(spec->batch_size(), " does not split into ", spec->replicas(),
-                                                " replicas x ", sched->microbatches(), " equal micro-batches"));
+                                                " replicas x ", sched->microbatches(), " equal micro-batches", hint));
   }
   if (spec->split().stages() < 0) return Bad("split.stages", "must not be negative");
   if (spec->split().stages() == 0 && spec->split().split_at().empty()) {

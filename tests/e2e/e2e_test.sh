@@ -268,16 +268,16 @@ expect_refused() {  # NAME WANT_SUBSTRING ARGS...
 : > "$TMP/empty.pt"
 echo "not a model" > "$TMP/corrupt.pt"
 expect_refused "empty model" "model: empty" "$TMP/empty.pt" "${COMMON[@]}" --stages 2 --schedule 1f1b
-expect_refused "corrupt model" "model: 'model' is not a TorchScript archive" "$TMP/corrupt.pt" "${COMMON[@]}" --stages 2 --schedule 1f1b
+expect_refused "corrupt model" "model: 'corrupt.pt' is not a TorchScript archive" "$TMP/corrupt.pt" "${COMMON[@]}" --stages 2 --schedule 1f1b
 expect_refused "unknown schedule" "--schedule: unknown schedule 'zigzag': use gpipe, 1f1b," "$ZOO/gpt.pt" "${COMMON[@]}" --stages 2 --schedule zigzag
-expect_refused "too many stages" "split: cannot make 500 stages" "$ZOO/gpt.pt" "${COMMON[@]}" --stages 500 --schedule gpipe
+expect_refused "too many stages" "--stages/--split-at: cannot make 500 stages" "$ZOO/gpt.pt" "${COMMON[@]}" --stages 500 --schedule gpipe
 expect_refused "data that does not fit" "data" "$ZOO/gpt.pt" --data "$TMP/wrong.data.pt" --microbatches 2 --batch-size 8 \
   --steps 1 --loss model --optimizer sgd --lr 0.1 --stages 2 --schedule 1f1b
-expect_refused "missing loss" "loss: missing" "$ZOO/gpt.pt" --data "$TMP/gpt.data.pt" --microbatches 2 --batch-size 8 \
+expect_refused "missing loss" "--loss: missing" "$ZOO/gpt.pt" --data "$TMP/gpt.data.pt" --microbatches 2 --batch-size 8 \
   --steps 1 --optimizer sgd --lr 0.1 --stages 2 --schedule 1f1b
-expect_refused "more stages than workers" "split: the job needs 8 workers (8 stages, 1 per worker) but only 4 are registered" \
+expect_refused "more stages than workers" "--stages/--split-at: the job needs 8 workers (8 stages, 1 per worker) but only 4 are registered; use fewer stages, more stages per worker (an interleaved schedule) or start more workers" \
   "$ZOO/gpt.pt" "${COMMON[@]}" --stages 8 --schedule gpipe
-expect_refused "bad synthetic spec" "data.synthetic" "$ZOO/mlp.pt" --synthetic "inputs=float33[16,32]" --microbatches 2 \
+expect_refused "bad synthetic spec" "--synthetic" "$ZOO/mlp.pt" --synthetic "inputs=float33[16,32]" --microbatches 2 \
   --batch-size 16 --steps 1 --loss mse --optimizer sgd --lr 0.1 --stages 2 --schedule 1f1b
 if ctl submit "$ZOO/mlp.pt" --synthetic "inputs=float32[64,32];targets=float32[64,32];seed=3" --stages 2 \
      --schedule 1f1b --microbatches 4 --batch-size 16 --steps 3 --loss mse --optimizer sgd --lr 0.01 --wait > /dev/null 2>&1; then
