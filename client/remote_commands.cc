@@ -688,7 +688,9 @@ int RunInfer(const std::string& job, const std::string& input, const std::string
   } else {
     std::cout << absl::StrFormat("%d rows in %.2f ms (queued %.2f ms, pipeline %.2f ms, in a micro-batch of %d rows)%s\n",
                                  resp.rows(), ms, resp.queue_ms(), resp.pipeline_ms(), resp.microbatch_rows(),
-                                 out.empty() ? "" : absl::StrCat(" -> ", out));
+                                 out.empty() ? absl::StrCat("; the output (", resp.output().size(),
+                                                            " bytes, torch.save) was not kept: -o FILE writes it")
+                                             : absl::StrCat(" -> ", out));
   }
   return kExitOk;
 }
@@ -743,6 +745,41 @@ int RunList(const ListArgs& a, const GlobalFlags& g) {
   }
   std::cout << t.Render();
   return kExitOk;
+}
+
+// A job named on the command line: its id (job-N) as it is, else the newest job whose
+// name (--name, or the model file's) it is. Errors: NOT_FOUND; what ListJobs returns.
+absl::StatusOr<std::string> ResolveJob(const std::string& id_or_name, const GlobalFlags& g) {
+  if (absl::StartsWith(id_or_name, "job-") &&
+      id_or_name.find_first_not_of("0123456789", 4) == std::string::npos && id_or_name.size() > 4) {
+    return id_or_name;
+  }
+  auto stub = Connect(g);
+  ListJobsRequest req;
+  req.set_order_by("create_time desc");
+  req.set_page_size(1000);
+  do {
+    grpc::ClientContext ctx;
+    Authorize(&ctx, g);
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    ListJobsResponse page;
+    grpc::Status s = stub->ListJobs(&ctx, req, &page);
+    if (!s.ok()) return FromGrpc(s, g.coordinator);
+    for (const Job& j : page.jobs()) {
+      if (j.spec().name() == id_or_name) return j.job_id();
+    }
+    req.set_page_token(page.next_page_token());
+  } while (!req.page_token().empty());
+  return absl::NotFoundError(absl::StrCat("no job '", id_or_name,
+                                          "': neither a job's id nor its name (pippyctl list shows both)"));
+}
+
+// Runs `run` on the job named by `id_or_name` (resolved by ResolveJob).
+template <typename Run>
+int OnJob(const std::string& id_or_name, const GlobalFlags& g, Run run) {
+  absl::StatusOr<std::string> id = ResolveJob(id_or_name, g);
+  if (!id.ok()) return Fail(kProgram, id.status());
+  return run(*id);
 }
 
 int RunDelete(const std::string& job_id, const GlobalFlags& g) {
@@ -1020,26 +1057,35 @@ void AddRemoteCommands(CLI::App& root, const GlobalFlags& globals, int* exit_cod
   auto with_job = [&root, job_id](const std::string& name, const std::string& what) {
     CLI::App* cmd = root.add_subcommand(name, what);
     cmd->fallthrough();
-    cmd->add_option("JOB", *job_id, "the job's id (pippyctl list shows them)")->required();
+    cmd->add_option("JOB", *job_id, "the job's id or name (the newest job of that name; pippyctl list shows both)")
+        ->required();
     return cmd;
   };
   with_job("status", "One job: state, reason, step, losses, throughput, sizes")->callback([g, job_id, exit_code] {
-    *exit_code = RunStatusOrCancel(*job_id, /*cancel=*/false, *g);
+    *exit_code = OnJob(*job_id, *g, [&](const std::string& id) { return RunStatusOrCancel(id, /*cancel=*/false, *g); });
   });
   with_job("cancel",
            "Stop a job: it ends CANCELLED at once; its workers stop their step in progress and are free again")
-      ->callback([g, job_id, exit_code] { *exit_code = RunStatusOrCancel(*job_id, /*cancel=*/true, *g); });
+      ->callback([g, job_id, exit_code] {
+        *exit_code = OnJob(*job_id, *g, [&](const std::string& id) { return RunStatusOrCancel(id, /*cancel=*/true, *g); });
+      });
   with_job("delete",
            "Delete an ended job: its record, its files and its trained model (cancel a running job first)")
-      ->callback([g, job_id, exit_code] { *exit_code = RunDelete(*job_id, *g); });
+      ->callback([g, job_id, exit_code] {
+        *exit_code = OnJob(*job_id, *g, [&](const std::string& id) { return RunDelete(id, *g); });
+      });
   with_job("watch", "A live progress bar until the job ends (exit 0 only if it SUCCEEDED)")
-      ->callback([g, job_id, exit_code] { *exit_code = RunWatch(*job_id, *g); });
+      ->callback([g, job_id, exit_code] {
+        *exit_code = OnJob(*job_id, *g, [&](const std::string& id) { return RunWatch(id, *g); });
+      });
   auto out = std::make_shared<std::string>();
   CLI::App* fetch = with_job("fetch",
                              "Download a finished job's result: the trained model (ONE TorchScript file like the "
                              "submitted one) or an inference job's outputs (a torch.save file)");
   fetch->add_option("-o,--out", *out, "where to write it")->required();
-  fetch->callback([g, job_id, out, exit_code] { *exit_code = RunFetch(*job_id, *out, *g); });
+  fetch->callback([g, job_id, out, exit_code] {
+    *exit_code = OnJob(*job_id, *g, [&](const std::string& id) { return RunFetch(id, *out, *g); });
+  });
   auto trace_out = std::make_shared<std::string>();
   auto trace_step = std::make_shared<int>(-1);
   CLI::App* trace = with_job("trace",
@@ -1049,7 +1095,7 @@ void AddRemoteCommands(CLI::App& root, const GlobalFlags& globals, int* exit_cod
   trace->add_option("--step", *trace_step, "the step (default: the last; the coordinator keeps the last 4)")
       ->check(CLI::Range(-1, 1 << 30));
   trace->callback([g, job_id, trace_out, trace_step, exit_code] {
-    *exit_code = RunTrace(*job_id, *trace_step, *trace_out, *g);
+    *exit_code = OnJob(*job_id, *g, [&](const std::string& id) { return RunTrace(id, *trace_step, *trace_out, *g); });
   });
 }
 

@@ -149,9 +149,12 @@ ctl cancel "$JOB_BF16" > /dev/null
 printf 'garbage' > "$TMP/garbage.pt"
 ctl infer "$JOB" --input "$TMP/garbage.pt" > /dev/null 2> "$TMP/garbage.err"
 code=$?
-grep -q "INVALID_ARGUMENT\|input" "$TMP/garbage.err" && [ $code -ne 0 ] && ctl infer "$JOB" --input "$TMP/one.pt" > /dev/null \
+grep -q "INVALID_ARGUMENT\|input" "$TMP/garbage.err" && [ $code -ne 0 ] && ctl infer "$JOB" --input "$TMP/one.pt" > "$TMP/next.out" \
   && ok "a malformed request is refused ($(head -c 120 "$TMP/garbage.err")) and the next is answered" \
   || bad "malformed: $(cat "$TMP/garbage.err")"
+# Without -o, infer says the output was not kept (it does not vanish silently).
+grep -q "; the output ([0-9]* bytes, torch.save) was not kept: -o FILE writes it" "$TMP/next.out" &&
+  ok "infer without -o says so: $(cut -c1-150 "$TMP/next.out")" || bad "infer without -o: $(cat "$TMP/next.out")"
 ctl infer no-such-job --input "$TMP/one.pt" > /dev/null 2> "$TMP/nojob.err"
 grep -q "no serving job 'no-such-job'" "$TMP/nojob.err" && ok "an unknown job is NOT_FOUND naming it" \
   || bad "unknown job: $(cat "$TMP/nojob.err")"
