@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <thread>
@@ -54,6 +55,9 @@ int RunLocal(const LocalFlags& f) {
     }
     pids.push_back(Spawn(a));
   }
+  std::cerr << "pippyctl local: state (jobs, models, checkpoints) in " << std::filesystem::absolute(f.state_dir).string()
+            << (f.port != 7070 ? absl::StrCat("; for pippyctl in another shell: export PIPPY_COORDINATOR=", where) : "")
+            << "\n";
   std::cerr << "pippyctl local: coordinator on " << where << " with " << f.workers
             << " workers (Ctrl-C stops them)\n";
   signal(SIGINT, [](int) { g_stop = 1; });

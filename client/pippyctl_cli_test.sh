@@ -85,6 +85,10 @@ fi
 # pippyctl schedule
 expect schedule-help 0 "" -- schedule --help
 expect schedule-unknown 2 "unknown schedule 'zigzag'" -- schedule --schedule zigzag --ranks 2 --microbatches 4
+# torch.distributed.pipelining's class names work as schedule names.
+for torch_name in ScheduleGPipe Schedule1F1B ScheduleInterleaved1F1B ScheduleLoopedBFS ScheduleInterleavedZeroBubble ScheduleZBVZeroBubble; do
+  expect "schedule-$torch_name" 0 "" -- schedule --schedule "$torch_name" --ranks 2 --microbatches 4
+done
 expect schedule-precondition 2 "at least as many micro-batches as ranks" -- schedule --schedule 1f1b --ranks 4 --microbatches 2
 expect schedule-bad-costs 2 "expected three positive numbers" -- schedule --schedule gpipe --ranks 2 --microbatches 2 --costs 1,2
 printf '0F0,0SEND_F0,0RECV_B0,0B0\n1F0,1B0,1SEND_B0\n' > "$TMP/broken.csv"

@@ -965,7 +965,8 @@ int RunTrace(const std::string& job_id, int step, const std::string& out, const 
     std::cout << "{\"job_id\": \"" << job_id << "\", \"step\": " << t.step() << ", \"path\": \"" << out
               << "\", \"events\": " << events << "}\n";
   } else {
-    std::cout << "wrote step " << t.step() << " of " << job_id << " (" << t.ranks_size() << " ranks, " << events
+    // Steps count from 1 in status ("step 60/60"); the trace numbers them from 0.
+    std::cout << "wrote step " << t.step() + 1 << " of " << job_id << " (" << t.ranks_size() << " ranks, " << events
               << " events) to " << out << "; open it in https://ui.perfetto.dev or chrome://tracing\n";
   }
   return kExitOk;

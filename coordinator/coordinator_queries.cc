@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "coordinator/coordinator.h"
+#include "proto/job_state.h"
 
 namespace pippy::coordinator {
 
@@ -138,8 +139,18 @@ absl::StatusOr<std::string> Coordinator::ResultPath(const std::string& job_id) {
   JobRun* run = Find(job_id);
   if (run == nullptr) return absl::NotFoundError(absl::StrCat("no job '", job_id, "'"));
   if (!run->job().model_ready()) {
+    const JobState state = run->state();
+    if (IsTerminal(state)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job ", job_id, " ended ", JobState_Name(state), ": only a job that SUCCEEDED has a trained model to fetch",
+          run->job().checkpoint_step() > 0
+              ? absl::StrCat(" (its checkpoint after step ", run->job().checkpoint_step(),
+                             " stays on the coordinator, in pieces per stage; submit the job again to train it)")
+              : ""));
+    }
     return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " has no trained model yet (state ",
-                                                      JobState_Name(run->state()), ")"));
+                                                      JobState_Name(state), "; pippyctl watch ", job_id,
+                                                      " follows it to the end)"));
   }
   return artifacts_->FetchPath(job_id);
 }

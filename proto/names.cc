@@ -50,12 +50,17 @@ std::string NameOf(const google::protobuf::EnumDescriptor* e, int value) {
 
 absl::StatusOr<int> ParseIn(const google::protobuf::EnumDescriptor* e, absl::string_view what,
                             absl::string_view text) {
-  const std::string wanted = Normalized(text);
-  for (const Choice& c : ChoicesOf(e)) {
-    if (Normalized(c.name) == wanted) return c.value;
-    for (const std::string& a : c.aliases) {
-      if (Normalized(a) == wanted) return c.value;
+  std::string wanted = Normalized(text);
+  // torch.distributed.pipelining's class names: "Schedule1F1B", "ScheduleGPipe", ...
+  for (int pass = 0; pass < 2; ++pass) {
+    for (const Choice& c : ChoicesOf(e)) {
+      if (Normalized(c.name) == wanted) return c.value;
+      for (const std::string& a : c.aliases) {
+        if (Normalized(a) == wanted) return c.value;
+      }
     }
+    if (wanted.rfind("schedule", 0) != 0 || wanted.size() == 8) break;
+    wanted = wanted.substr(8);
   }
   return absl::InvalidArgumentError(absl::StrCat("unknown ", what, " '", text, "': use ", NameList(e)));
 }

@@ -83,6 +83,10 @@ if ctl status mlp-run | head -1 | grep -q "^job job-[0-9]* (mlp-run): SUCCEEDED"
 else
   bad "names: $(ctl status mlp-run 2>&1 | head -1)"
 fi
+ctl fetch picky -o "$TMP/picky.trained.pt" > /dev/null 2> "$TMP/fetchfailed.err"
+rc=$?
+[ "$rc" = 2 ] && grep -q "ended FAILED: only a job that SUCCEEDED has a trained model to fetch" "$TMP/fetchfailed.err" &&
+  ok "fetch of a failed job says why: $(cut -c1-120 "$TMP/fetchfailed.err")" || bad "fetch of a failed job: exit $rc, $(cat "$TMP/fetchfailed.err")"
 ctl status no-such-name > /dev/null 2> "$TMP/noname.err"
 rc=$?
 [ "$rc" = 2 ] && grep -q "no job 'no-such-name': neither a job's id nor its name" "$TMP/noname.err" &&
