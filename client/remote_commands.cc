@@ -478,7 +478,7 @@ absl::StatusOr<std::string> Submit(Coordinator::Stub* stub, const JobSpec& spec,
   grpc::Status s = writer->Finish();
   if (!s.ok()) return FromGrpc(s, g.coordinator);
   if (g.output == "json") {
-    std::cout << "{\"job_id\": \"" << resp.job_id() << "\"}" << std::endl;
+    std::cout << "{\"job_id\": " << JsonString(resp.job_id()) << "}" << std::endl;
   } else {
     std::cout << resp.job_id() << std::endl;
   }
@@ -791,7 +791,11 @@ int RunDelete(const std::string& job_id, const GlobalFlags& g) {
   DeleteJobResponse resp;
   grpc::Status s = stub->DeleteJob(&ctx, r, &resp);
   if (!s.ok()) return Fail(kProgram, FromGrpc(s, g.coordinator));
-  if (g.output != "json") std::cout << "deleted " << job_id << "\n";
+  if (g.output == "json") {
+    std::cout << "{\"job_id\": " << JsonString(job_id) << ", \"deleted\": true}\n";
+  } else {
+    std::cout << "deleted " << job_id << "\n";
+  }
   return kExitOk;
 }
 
@@ -890,7 +894,8 @@ int RunFetch(const std::string& job_id, const std::string& out, const GlobalFlag
     return Fail(kProgram, absl::PermissionDeniedError(absl::StrCat("cannot move '", tmp, "' to '", out, "'")));
   }
   if (g.output == "json") {
-    std::cout << "{\"job_id\": \"" << job_id << "\", \"path\": \"" << out << "\", \"bytes\": " << bytes << "}\n";
+    std::cout << "{\"job_id\": " << JsonString(job_id) << ", \"path\": " << JsonString(out) << ", \"bytes\": " << bytes
+              << "}\n";
   } else {
     std::cout << "wrote the result of " << job_id << " to " << out << " (" << HumanBytes(static_cast<double>(bytes))
               << ")\n";
@@ -962,8 +967,8 @@ int RunTrace(const std::string& job_id, int step, const std::string& out, const 
   size_t events = 0;
   for (const RankTrace& rank : t.ranks()) events += static_cast<size_t>(rank.events_size());
   if (g.output == "json") {
-    std::cout << "{\"job_id\": \"" << job_id << "\", \"step\": " << t.step() << ", \"path\": \"" << out
-              << "\", \"events\": " << events << "}\n";
+    std::cout << "{\"job_id\": " << JsonString(job_id) << ", \"step\": " << t.step() + 1 << ", \"path\": "
+              << JsonString(out) << ", \"events\": " << events << "}\n";
   } else {
     // Steps count from 1 in status ("step 60/60"); the trace numbers them from 0.
     std::cout << "wrote step " << t.step() + 1 << " of " << job_id << " (" << t.ranks_size() << " ranks, " << events
@@ -999,8 +1004,8 @@ int RunHealth(const std::string& target, const std::string& service, double time
   const auto& md = ctx.GetServerInitialMetadata();
   if (auto it = md.find("pippy-warning"); it != md.end()) warning.assign(it->second.data(), it->second.size());
   if (g.output == "json") {
-    std::cout << "{\"target\": \"" << where << "\", \"status\": \"" << status << "\""
-              << (warning.empty() ? "" : ", \"warning\": \"" + warning + "\"") << "}\n";
+    std::cout << "{\"target\": " << JsonString(where) << ", \"status\": " << JsonString(status)
+              << (warning.empty() ? "" : ", \"warning\": " + JsonString(warning)) << "}\n";
   } else {
     std::cout << where << ": " << status << "\n";
     if (!warning.empty()) std::cout << "warning: " << warning << "\n";

@@ -10,6 +10,7 @@
 #include "client/commands.h"
 #include "client/table.h"
 #include "common/cli.h"
+#include "common/proto_json.h"
 #include "pipeline/job/job_spec.h"
 #include "pipeline/torchio/model_io.h"
 #include "pipeline/partition/partition.h"
@@ -97,12 +98,12 @@ int RunSplit(const SplitFlags& f, const GlobalFlags& g) {
     auto cuts = partition::ListLegalCuts(*model);
     if (!cuts.ok()) return Fail(kProgram, cuts.status());
     if (g.output == "json") {
-      std::cout << "{\"model\": \"" << absl::CEscape(f.model) << "\", \"cuts\": [";
+      std::cout << "{\"model\": " << JsonString(f.model) << ", \"cuts\": [";
       for (size_t i = 0; i < cuts->size(); ++i) {
         const auto& c = (*cuts)[i];
-        std::cout << (i ? ", " : "") << "{\"position\": " << c.position << ", \"name\": \"" << absl::CEscape(c.name)
-                  << "\", \"after\": \"" << absl::CEscape(c.before) << "\", \"before\": \"" << absl::CEscape(c.after)
-                  << "\"}";
+        // A cut comes after the module before it (c.before) and before the one after it.
+        std::cout << (i ? ", " : "") << "{\"position\": " << c.position << ", \"name\": " << JsonString(c.name)
+                  << ", \"after\": " << JsonString(c.before) << ", \"before\": " << JsonString(c.after) << "}";
       }
       std::cout << "]}\n";
       return kExitOk;
@@ -127,7 +128,7 @@ int RunSplit(const SplitFlags& f, const GlobalFlags& g) {
     if (!written.ok()) return Fail(kProgram, written);
   }
   if (g.output == "json") {
-    std::cout << partition::PlanToJson(pipe->plan) << "\n";
+    std::cout << ProtoToJson(pipe->plan) << "\n";  // the CLI's JSON (docs/cli.md); plan.json files stay protobuf's
   } else {
     std::cout << RenderPlan(pipe->plan);
     if (!f.out.empty()) std::cout << "\nwrote " << pipe->stages.size() << " stage files and plan.json to " << f.out << "\n";

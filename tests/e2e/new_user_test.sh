@@ -119,4 +119,51 @@ then
 else
   bad "--output json: $(head -c 300 "$TMP/list.json")"
 fi
+# 5. Every command's JSON against docs/cli.md's table (its keys and their types).
+JOB_ID=$(ctl status mlp-run --output json | /usr/bin/python3 -c "import json,sys; print(json.load(sys.stdin)['job_id'])")
+{
+  echo "submit"; ctl --output json submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" "${SPEC[@]}" --name json-run
+  echo "watch"; ctl --output json watch json-run | tail -1
+  echo "status"; ctl --output json status "$JOB_ID"
+  echo "list"; ctl --output json list
+  echo "workers"; ctl --output json workers
+  echo "fetch"; ctl --output json fetch "$JOB_ID" -o "$TMP/fetched.pt"
+  echo "trace"; ctl --output json trace "$JOB_ID" -o "$TMP/trace.json"
+  echo "health"; ctl --output json health
+  echo "schedule"; ctl --output json schedule --schedule 1f1b --ranks 2 --microbatches 4
+  echo "split"; ctl --output json split "$ZOO/mlp.pt" --stages 2 | tr -d '\n'; echo
+  echo "split --list-cuts"; ctl --output json split "$ZOO/mlp.pt" --list-cuts
+  echo "delete"; ctl --output json delete json-run
+} > "$TMP/outputs.txt" 2> "$TMP/outputs.err"
+if /usr/bin/python3 - "$PWD/docs/cli.md" "$TMP/outputs.txt" <<'PY'
+import json, re, sys
+doc, outputs = sys.argv[1:3]
+types = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict}
+table = {}
+for line in open(doc):
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if len(cells) != 3 or not cells[0].startswith("`"):
+        continue
+    keys = dict(re.findall(r"(\w+) \((\w+)\)", cells[2]))
+    for command in re.findall(r"`([^`]+)`", cells[0]):
+        table[command] = keys
+lines = open(outputs).read().splitlines()
+checked = 0
+for name, out in zip(lines[0::2], lines[1::2]):
+    keys = table[name]
+    obj = json.loads(out)
+    for k, t in keys.items():
+        assert k in obj, f"{name}: no key {k!r} in {sorted(obj)}"
+        v = obj[k]
+        ok = isinstance(v, types[t]) and not (t in ("integer", "number") and isinstance(v, bool))
+        assert ok, f"{name}: {k} is {type(v).__name__} {v!r}, docs/cli.md says {t}"
+    checked += 1
+assert checked == 12, checked
+print(f"{checked} commands match docs/cli.md ({len(table)} documented)")
+PY
+then
+  ok "every command's JSON has docs/cli.md's keys with their types"
+else
+  bad "JSON against docs/cli.md: $(tail -3 "$TMP/outputs.err")"
+fi
 finish
