@@ -26,7 +26,8 @@ def main():
                        steps=a.steps, loss="mse", optimizer="adamw", lr=1e-3)
         print(f"submitted {job}")
         for e in c.watch(job):
-            print(f"  {e['state']} step {e['step']}/{e['steps']} loss {e['loss']:.4f}")
+            loss = "-" if e["loss"] is None else f"{e['loss']:.4f}"  # None before the first step
+            print(f"  {e['state']} step {e['step']}/{e['steps']} loss {loss}")
         record = c.wait(job)
         n = c.fetch(job, a.out)
         print(f"{job} {record['state']}: fetched {n} bytes to {a.out}")

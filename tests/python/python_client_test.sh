@@ -61,8 +61,37 @@ assert spec.precision == pippy.job_pb2.PRECISION_BF16, spec
 try:
     pippy.make_spec(sys.argv[2], sys.argv[3], stages=2, schedule="1f1b", microbatches=2, batch_size=16, dtype="fp16")
     raise SystemExit("no error for dtype fp16")
-except ValueError as e:
-    assert "dtype: unknown 'fp16'; use fp32, bf16" in str(e), e
+except pippy.PippyError as e:  # the README promises PippyError, not ValueError
+    assert e.code == grpc.StatusCode.INVALID_ARGUMENT and "dtype: unknown 'fp16'; use fp32, bf16" in str(e), e
+try:
+    c.submit(sys.argv[2], sys.argv[3], stage=2, schedule="1f1b", microbatches=2, batch_size=16, loss="mse",
+             optimizer="sgd")
+    raise SystemExit("no error for a misspelled keyword")
+except pippy.PippyError as e:
+    assert e.code == grpc.StatusCode.INVALID_ARGUMENT and "unknown argument 'stage'; did you mean stages" in str(e), e
+try:
+    c.submit(sys.argv[2], sys.argv[3], stages=2, schedule="zigzag", microbatches=2, batch_size=16, loss="mse",
+             optimizer="sgd")
+    raise SystemExit("no error for an unknown schedule")
+except pippy.PippyError as e:
+    assert e.code == grpc.StatusCode.INVALID_ARGUMENT and "schedule: unknown 'zigzag'" in str(e), e
+try:
+    c.serve(sys.argv[2], sys.argv[3], stages=2, max_batchh=8)
+    raise SystemExit("no error for a misspelled serve keyword")
+except pippy.PippyError as e:
+    assert e.code == grpc.StatusCode.INVALID_ARGUMENT and "unknown argument 'max_batchh'; did you mean max_batch" in str(e), e
+for torch_name, kind in (("Schedule1F1B", "SCHEDULE_1F1B"), ("ScheduleZBVZeroBubble", "SCHEDULE_ZBV")):
+    spec = pippy.make_spec(sys.argv[2], sys.argv[3], stages=2, schedule=torch_name, microbatches=2, batch_size=16)
+    assert spec.schedule.kind == getattr(pippy.job_pb2, kind), (torch_name, spec.schedule.kind)
+# watch: each change once; no loss before the first step.
+job = c.submit(sys.argv[2], sys.argv[3], stages=2, schedule="1f1b", microbatches=2, batch_size=16, steps=3,
+               loss="mse", optimizer="sgd")
+events = list(c.watch(job))
+keys = [(e["state"], e["step"], e["message"]) for e in events]
+assert len(keys) == len(set(keys)), keys
+assert all(e["loss"] is None for e in events if e["step"] == 0), events
+assert events[-1]["state"] == "SUCCEEDED" and events[-1]["loss"] is not None, events[-1]
+print(f"watch: {len(events)} events, each once: {[k[0] for k in keys]}")
 PY
 then ok "errors: $(tail -1 "$TMP/errors.out")"; else bad "errors: $(cat "$TMP/errors.out")"; fi
 

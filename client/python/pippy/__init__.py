@@ -93,15 +93,34 @@ def _enum(enum, value, what):
     takes it: its cli_name or a cli_alias, ignoring case, '-' and '_' (the options on
     the enum's values in proto/job.proto: the one table pippyctl and the daemons read)."""
     names = []
+    wanted = _normalized(str(value))
+    # torch.distributed.pipelining's class names too: "Schedule1F1B", "ScheduleGPipe", ...
+    candidates = [wanted] + ([wanted[len("schedule"):]] if wanted.startswith("schedule") and wanted != "schedule" else [])
     for v in enum.DESCRIPTOR.values:
         options = v.GetOptions()
         if not options.HasExtension(options_pb2.cli_name):
             continue
         name = options.Extensions[options_pb2.cli_name]
         names.append(name)
-        if _normalized(value) in {_normalized(n) for n in [name, *options.Extensions[options_pb2.cli_alias]]}:
+        accepted = {_normalized(n) for n in [name, *options.Extensions[options_pb2.cli_alias]]}
+        if any(c in accepted for c in candidates):
             return v.number
-    raise ValueError(f"{what}: unknown {value!r}; use {', '.join(names)}")
+    raise PippyError(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: unknown {value!r}; use {', '.join(names)}")
+
+
+def _check_arguments(fn, what, given):
+    """Refuses keyword arguments `fn` does not take with PippyError naming the nearest
+    ones (what a misspelled pippyctl flag gets), instead of Python's TypeError."""
+    import difflib
+    import inspect
+    known = [p.name for p in inspect.signature(fn).parameters.values() if p.kind == p.KEYWORD_ONLY]
+    for key in given:
+        if key not in known:
+            near = difflib.get_close_matches(key, known, n=3)
+            hint = f"; did you mean {', '.join(near)}?" if near else ""
+            raise PippyError(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"{what}: unknown argument {key!r}{hint} (the arguments are pippyctl {what}'s flags: "
+                             f"{', '.join(known)})")
 
 
 def make_spec(model_path, data_path=None, *, stages=0, split_at=(), balance="params", schedule, microbatches,
@@ -138,6 +157,24 @@ def make_spec(model_path, data_path=None, *, stages=0, split_at=(), balance="par
                          ("recovery_timeout_s", recovery_timeout_s)):
         if value is not None:
             setattr(spec.fault_tolerance, field, value)
+    return spec
+
+
+def make_serving_spec(model_path, example=None, *, stages=0, split_at=(), balance="params", max_batch=0,
+                      max_delay_ms=None, max_inflight=0, name=None, synthetic="", seed=0, dtype="fp32"):
+    """The JobSpec pippyctl serve would send."""
+    spec = job_pb2.JobSpec(name=name or os.path.splitext(os.path.basename(model_path))[0], seed=seed)
+    spec.precision = _enum(job_pb2.Precision, dtype, "dtype")
+    spec.split.stages = stages
+    spec.split.split_at.extend(split_at)
+    spec.split.balance = _enum(job_pb2.Balance, balance, "balance")
+    spec.serving.max_batch = max_batch
+    if max_delay_ms is not None:
+        spec.serving.max_delay_ms = max_delay_ms
+    spec.serving.max_inflight = max_inflight
+    if example:
+        spec.data.file = os.path.basename(example)
+    spec.data.synthetic = synthetic
     return spec
 
 
@@ -191,27 +228,20 @@ class Client:
     def submit(self, model_path, data_path=None, **spec):
         """Uploads the model (and data) in chunks; returns the job id. Keyword arguments
         are pippyctl submit's flags (stages=, schedule=, microbatches=, batch_size=, ...)."""
+        _check_arguments(make_spec, "submit", spec)
+        missing = [k for k in ("schedule", "microbatches", "batch_size") if k not in spec]
+        if missing:
+            raise PippyError(grpc.StatusCode.INVALID_ARGUMENT, f"submit: give {', '.join(missing)}")
         job_spec = make_spec(model_path, data_path, **spec)
         return self._submit_spec(job_spec, model_path, data_path)
 
-    def serve(self, model_path, example=None, *, stages=0, split_at=(), balance="params", max_batch=0,
-              max_delay_ms=None, max_inflight=0, name=None, synthetic="", seed=0, dtype="fp32"):
+    def serve(self, model_path, example=None, **options):
         """Starts a serving job (pippyctl serve): the model split into stages that stay
         loaded until cancel(). example: a file with an example input (a request's input
-        or a data file), or synthetic="inputs=float32[8,1024]". Returns the job id."""
-        spec = job_pb2.JobSpec(name=name or os.path.splitext(os.path.basename(model_path))[0], seed=seed)
-        spec.precision = _enum(job_pb2.Precision, dtype, "dtype")
-        spec.split.stages = stages
-        spec.split.split_at.extend(split_at)
-        spec.split.balance = _enum(job_pb2.Balance, balance, "balance")
-        spec.serving.max_batch = max_batch
-        if max_delay_ms is not None:
-            spec.serving.max_delay_ms = max_delay_ms
-        spec.serving.max_inflight = max_inflight
-        if example:
-            spec.data.file = os.path.basename(example)
-        spec.data.synthetic = synthetic
-        return self._submit_spec(spec, model_path, example)
+        or a data file), or synthetic="inputs=float32[8,1024]". Keyword arguments are
+        pippyctl serve's flags (make_serving_spec's). Returns the job id."""
+        _check_arguments(make_serving_spec, "serve", options)
+        return self._submit_spec(make_serving_spec(model_path, example, **options), model_path, example)
 
     def wait_serving(self, job_id, timeout_s=600.0):
         """Waits until a serving job answers requests; raises JobFailed if it ended first."""
@@ -288,12 +318,21 @@ class Client:
 
     def watch(self, job_id):
         """Yields progress events (dicts: state, step, steps, loss, samples_per_second,
-        message) until the job ends."""
+        message) until the job ends, each change once; loss is None before the first step."""
         stream = self._stub.WatchJob(coordinator_pb2.WatchJobRequest(job_id=job_id), metadata=self._metadata)
+        last = None
         try:
             for event in stream:
                 e = json_format.MessageToDict(event, preserving_proto_field_name=True,
                                               including_default_value_fields=True)
+                if e["step"] == 0:
+                    e["loss"] = None  # no step yet: no loss (not 0.0)
+                # The coordinator may say the same thing twice (a state seen again on
+                # reconnection); each change is yielded once.
+                key = (e["state"], e["step"], e["message"])
+                if key == last:
+                    continue
+                last = key
                 yield e
                 if e["state"] in TERMINAL:
                     return
