@@ -410,6 +410,9 @@ void JobRun::Finish(JobState state, const std::string& reason) {
   if (serving_ != nullptr) {
     serving_->Stop(absl::UnavailableError(absl::StrCat("serving job ", id(), " ended (", JobState_Name(state),
                                                       reason.empty() ? "" : ": " + reason, ")")));
+    // The final counts, the queued requests Stop failed included, go in the record:
+    // what cancel answers is what status says later (and after a restart).
+    *job_.mutable_serving() = serving_->Stats();
   }
   stores_.artifacts->RemoveJobFiles(id());
   Touch();

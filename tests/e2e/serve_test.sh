@@ -226,9 +226,15 @@ else
   bad "after the coordinator restart: $(json_get "$JOB" "j['state'], j.get('reason'), j.get('history')")"
 fi
 
-# Cancel: serving stops, the workers are free, requests are refused.
-ctl cancel "$JOB" > /dev/null
+# Cancel: serving stops, the workers are free, requests are refused; what cancel
+# answers of the requests is what status says afterwards.
+ctl cancel "$JOB" --output json > "$TMP/cancel.json"
 wait_idle 3 && ok "cancel frees the 3 workers" || bad "idle after cancel: $(idle_workers)"
+ctl status "$JOB" --output json > "$TMP/cancelled.json"
+counts() { /usr/bin/python3 -c "import json,sys; s=json.load(open(sys.argv[1]))['serving']; print(s['requests'], s['failed'], s['rows'])" "$1"; }
+[ "$(counts "$TMP/cancel.json")" = "$(counts "$TMP/cancelled.json")" ] && [ "$(counts "$TMP/cancel.json" | cut -d' ' -f1)" -gt 0 ] &&
+  ok "cancel's request counts are status's afterwards: $(counts "$TMP/cancel.json") (requests, failed, rows)" ||
+  bad "cancel said $(counts "$TMP/cancel.json"), status later $(counts "$TMP/cancelled.json")"
 ctl infer "$JOB" --input "$TMP/one.pt" > /dev/null 2> "$TMP/after.err"
 grep -q "ended (CANCELLED" "$TMP/after.err" && ok "a request after cancel is refused: $(head -c 100 "$TMP/after.err")" \
   || bad "after cancel: $(cat "$TMP/after.err")"
