@@ -478,9 +478,10 @@ absl::StatusOr<std::string> Submit(Coordinator::Stub* stub, const JobSpec& spec,
   grpc::Status s = writer->Finish();
   if (!s.ok()) return FromGrpc(s, g.coordinator);
   if (g.output == "json") {
-    std::cout << "{\"job_id\": " << JsonString(resp.job_id()) << "}" << std::endl;
+    std::cout << Json(resp) << std::endl;
   } else {
     std::cout << resp.job_id() << std::endl;
+    for (const std::string& n : resp.notices()) std::cerr << kProgram << ": note: " << n << "\n";
   }
   return resp.job_id();
 }

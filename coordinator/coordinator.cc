@@ -194,8 +194,31 @@ absl::Status Coordinator::Admit(const PreparedJob& prepared) {
   return absl::OkStatus();
 }
 
+// What a user probably did not mean, though it runs: a schedule of several stages per
+// worker that leaves registered workers idle (`--schedule zbv --stages 2` on 2
+// workers), a batch larger than the data (steps take samples more than once).
+static std::vector<std::string> NoticesFor(const PreparedJob& p, int registered) {
+  std::vector<std::string> notices;
+  const int per_worker = p.spec.schedule().stages_per_worker();
+  const int replicas = std::max(1, p.spec.replicas());
+  const int used = p.layout.ranks_size() * replicas;
+  if (per_worker > 1 && used < registered) {
+    notices.push_back(absl::StrCat(
+        "schedule ", job::ScheduleName(p.spec.schedule().kind()), " runs ", per_worker, " stages per worker: the ",
+        p.plan.stages_size(), " stages use ", used, " of the ", registered, " registered workers; --stages ",
+        per_worker * (registered / replicas), " would use ", (registered / replicas) * replicas));
+  }
+  const int64_t samples = p.layout.data_samples();
+  if (p.spec.mode() == MODE_TRAIN && samples > 0 && p.spec.batch_size() > samples) {
+    notices.push_back(absl::StrCat("--batch-size ", p.spec.batch_size(), " is more than the data's ", samples,
+                                   " samples: every step takes some samples more than once (steps wrap around the "
+                                   "data)"));
+  }
+  return notices;
+}
+
 absl::StatusOr<std::string> Coordinator::SubmitJob(const JobSpec& spec, std::unique_ptr<Upload> upload,
-                                                   const std::string& user) {
+                                                   const std::string& user, std::vector<std::string>* notices) {
   absl::Status closed = upload->Close();
   if (!closed.ok()) return closed;
   absl::Status room = CheckUserQueue(user);
@@ -223,6 +246,10 @@ absl::StatusOr<std::string> Coordinator::SubmitJob(const JobSpec& spec, std::uni
   job.set_model_bytes(upload->model_bytes());
   auto run = std::make_unique<JobRun>(JobRun::Stores{store_.get(), artifacts_.get()}, std::move(job),
                                       prepared->layout, prepared->share_bytes, prepared->stage_bytes);
+  for (const std::string& n : NoticesFor(*prepared, workers_->size())) {
+    run->AddEvent(absl::StrCat("note: ", n));
+    if (notices != nullptr) notices->push_back(n);
+  }
   log::Info("job={} accepted: {} stages on {} workers{}, schedule {}", id, prepared->plan.stages_size(), run->ranks(),
             run->layout().replicas() > 1 ? absl::StrCat(" (", run->layout().replicas(), " replicas)") : "",
             job::ScheduleName(prepared->spec.schedule().kind()));

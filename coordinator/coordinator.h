@@ -109,8 +109,11 @@ class Coordinator {
   // when more workers are needed than are registered (none registered: it waits);
   // RESOURCE_EXHAUSTED when `user` has max_queued_per_user jobs waiting.
   // `user` (from a token; "" without auth) is recorded as the job's submitter.
+  // `notices` (if given) receives what was accepted but is probably not meant (also
+  // added to the job's history): workers the schedule leaves idle, a batch larger
+  // than the data.
   absl::StatusOr<std::string> SubmitJob(const JobSpec& spec, std::unique_ptr<Upload> upload,
-                                        const std::string& user = "");
+                                        const std::string& user = "", std::vector<std::string>* notices = nullptr);
   absl::StatusOr<Job> GetJob(const std::string& job_id);
   // A page of job summaries (ListJobsRequest says how it pages and filters).
   // Errors: INVALID_ARGUMENT naming the request field.

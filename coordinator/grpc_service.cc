@@ -178,9 +178,11 @@ grpc::Status CoordinatorGrpc::SubmitJob(grpc::ServerContext* context, grpc::Serv
   stream->reset();
   log::Info("received a submission: model {} bytes, data {} bytes in {}", (*upload)->model_bytes(),
             (*upload)->data_bytes(), absl::FormatDuration(absl::Now() - start));
-  auto id = logic_->SubmitJob(spec, std::move(*upload), *user);
+  std::vector<std::string> notices;
+  auto id = logic_->SubmitJob(spec, std::move(*upload), *user, &notices);
   if (!id.ok()) return ToGrpc(id.status());
   response->set_job_id(*id);
+  for (std::string& n : notices) response->add_notices(std::move(n));
   return grpc::Status::OK;
 }
 

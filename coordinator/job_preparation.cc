@@ -235,6 +235,7 @@ absl::StatusOr<PreparedJob> PrepareByRecords(const JobSpec& spec, const std::str
                                     d.target));
   out.plan = pipe->plan;
   PIPPY_ASSIGN_OR_RETURN(out.layout, job::MakeLayout(spec, out.plan));
+  if (spec.data().synthetic().empty()) out.layout.set_data_samples(d.data.num_samples());
   PIPPY_ASSIGN_OR_RETURN(out.share_bytes, WriteShares(spec, out.layout, d.data, dir));
   log::Info("prepared a submission record by record in {}: split into {} stages in {}, each stage read, run on "
             "the example and written in {}",
@@ -264,6 +265,7 @@ absl::StatusOr<PreparedJob> PrepareWhole(const JobSpec& spec, const std::string&
   if (!pipe.ok()) return Field("split", pipe.status());
   out.plan = pipe->plan;
   PIPPY_ASSIGN_OR_RETURN(out.layout, job::MakeLayout(spec, out.plan));
+  if (spec.data().synthetic().empty()) out.layout.set_data_samples(data.num_samples());
   const absl::Time split_at = absl::Now();
   phase("write");
   PIPPY_ASSIGN_OR_RETURN(out.stage_bytes, WriteStageFiles(pipe->stages, dir));

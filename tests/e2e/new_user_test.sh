@@ -166,4 +166,16 @@ then
 else
   bad "JSON against docs/cli.md: $(tail -3 "$TMP/outputs.err")"
 fi
+# 6. Accepted, but probably not meant: said at submission (and in the job's history).
+ctl submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --stages 2 --schedule zbv --microbatches 2 --batch-size 16 --steps 2 \
+  --loss mse --optimizer sgd --wait > /dev/null 2> "$TMP/zbv.err"
+rc_zbv=$?
+ctl submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --stages 2 --schedule 1f1b --microbatches 2 --batch-size 32 --steps 1 \
+  --loss mse --optimizer sgd > /dev/null 2> "$TMP/big.err"
+if [ "$rc_zbv" = 0 ] && grep -q "note: schedule zbv runs 2 stages per worker: the 2 stages use 1 of the 2 registered workers; --stages 4 would use 2" "$TMP/zbv.err" &&
+   grep -q "note: --batch-size 32 is more than the data's 16 samples" "$TMP/big.err"; then
+  ok "notices: $(grep -o 'note: .*' "$TMP/zbv.err" | cut -c1-100); $(grep -o 'note: .*' "$TMP/big.err" | cut -c1-80)"
+else
+  bad "notices: zbv exit $rc_zbv ($(cat "$TMP/zbv.err")); big batch: $(cat "$TMP/big.err")"
+fi
 finish

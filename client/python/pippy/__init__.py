@@ -223,7 +223,11 @@ class Client:
                             break
                         yield coordinator_pb2.SubmitJobRequest(**{field: chunk})
 
-        return _call(self._stub.SubmitJob, requests(), metadata=self._metadata).job_id
+        resp = _call(self._stub.SubmitJob, requests(), metadata=self._metadata)
+        import warnings
+        for notice in resp.notices:  # accepted, but probably not meant
+            warnings.warn(f"pippy: {notice}", stacklevel=3)
+        return resp.job_id
 
     def submit(self, model_path, data_path=None, **spec):
         """Uploads the model (and data) in chunks; returns the job id. Keyword arguments
