@@ -155,8 +155,9 @@ void PrintJob(const Job& j) {
   std::cout << "job " << j.job_id() << " (" << j.spec().name() << "): " << JobState_Name(j.state());
   if (!j.reason().empty()) std::cout << " — " << FirstLine(j.reason(), 160);
   std::cout << "\n  " << job::ModeName(j.spec().mode()) << ", schedule " << job::ScheduleName(j.spec().schedule().kind())
-            << ", " << job::PrecisionName(j.spec().precision()) << ", " << j.plan().stages_size() << " stages on "
-            << j.workers_size() << " workers, step " << j.step()
+            << ", " << job::PrecisionName(j.spec().precision()) << ", " << j.plan().stages_size()
+            << (j.plan().stages_size() == 1 ? " stage on " : " stages on ") << j.workers_size()
+            << (j.workers_size() == 1 ? " worker" : " workers") << ", step " << j.step()
             << "/" << j.spec().steps();
   if (j.losses_size() > 0) std::cout << ", loss " << absl::StrFormat("%.4f", j.losses(j.losses_size() - 1));
   if (j.samples_per_second() > 0) {

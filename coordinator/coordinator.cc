@@ -250,7 +250,7 @@ absl::StatusOr<std::string> Coordinator::SubmitJob(const JobSpec& spec, std::uni
     run->AddEvent(absl::StrCat("note: ", n));
     if (notices != nullptr) notices->push_back(n);
   }
-  log::Info("job={} accepted: {} stages on {} workers{}, schedule {}", id, prepared->plan.stages_size(), run->ranks(),
+  log::Info("job={} accepted: {} stage(s) on {} worker(s){}, schedule {}", id, prepared->plan.stages_size(), run->ranks(),
             run->layout().replicas() > 1 ? absl::StrCat(" (", run->layout().replicas(), " replicas)") : "",
             job::ScheduleName(prepared->spec.schedule().kind()));
   AddJob(std::move(run));
