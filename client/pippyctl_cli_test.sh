@@ -51,6 +51,7 @@ expect submit-zero-recovery-timeout 2 "--recovery-timeout-s: must be > 0" -- sub
 expect submit-spec-checked-first 2 "--batch-size: 6 does not split into 4 equal micro-batches; use a --microbatches that divides it: 1, 2, 3, 6" -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --schedule 1f1b --stages 2 --microbatches 4 --batch-size 6 --loss mse --optimizer sgd
 expect submit-momentum-adam 2 "only sgd takes momentum" -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --schedule 1f1b --stages 2 --microbatches 2 --batch-size 8 --loss mse --optimizer adam --momentum 0.9
 expect fetch-needs-out 2 "--out is required" -- fetch job-1
+expect infer-needs-out 2 "--out is required" -- infer job-1 --input "$ZOO/mlp.input.pt"
 # --output json: errors are a JSON object on stderr too (parse errors and refusals).
 expect json-error-parse 2 '{"error": {"code": "INVALID_ARGUMENT", "message": "--schedule is required; run pippyctl --help"}}' -- --output json submit "$ZOO/mlp.pt"
 expect json-error-refusal 2 '{"error": {"code": "INVALID_ARGUMENT", "message": "--batch-size: 6 does not split into 4' -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --schedule 1f1b --stages 2 --microbatches 4 --batch-size 6 --loss mse --optimizer sgd --output json

@@ -690,9 +690,7 @@ int RunInfer(const std::string& job, const std::string& input, const std::string
   } else {
     std::cout << absl::StrFormat("%d rows in %.2f ms (queued %.2f ms, pipeline %.2f ms, in a micro-batch of %d rows)%s\n",
                                  resp.rows(), ms, resp.queue_ms(), resp.pipeline_ms(), resp.microbatch_rows(),
-                                 out.empty() ? absl::StrCat("; the output (", resp.output().size(),
-                                                            " bytes, torch.save) was not kept: -o FILE writes it")
-                                             : absl::StrCat(" -> ", out));
+                                 absl::StrCat(" -> ", out));
   }
   return kExitOk;
 }
@@ -1031,7 +1029,8 @@ void AddRemoteCommands(CLI::App& root, const GlobalFlags& globals, int* exit_cod
                         "torch.save of forward()'s arguments (a tensor, tuple or dict), rows along dim 0")
       ->required()
       ->check(CLI::ExistingFile);
-  infer_cmd->add_option("-o,--out", std::get<2>(*infer), "where to write the output (torch.load reads it)");
+  infer_cmd->add_option("-o,--out", std::get<2>(*infer), "where to write the output (torch.load reads it)")
+      ->required();
   infer_cmd->add_option("--timeout-s", std::get<3>(*infer), "the request's deadline")
       ->check(cli::Positive())->capture_default_str();
   infer_cmd->callback([g, infer, exit_code] {

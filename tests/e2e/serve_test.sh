@@ -116,7 +116,7 @@ then ok "/metrics: $(cat "$TMP/metrics.out")"; else bad "metrics: $(cat "$TMP/me
 ctl serve "$ZOO/gpt.pt" --stages 1 --example "$ZOO/gpt.input.pt" --max-batch 64 --max-delay-ms 3000 \
   --name gpt-slow --wait > "$TMP/serve3.out" 2>&1
 JOB3=$(head -1 "$TMP/serve3.out")
-ctl infer "$JOB3" --input "$TMP/one.pt" --timeout-s 0.5 > /dev/null 2> "$TMP/deadline.err"
+ctl infer "$JOB3" --input "$TMP/one.pt" -o "$TMP/late.out.pt" --timeout-s 0.5 > /dev/null 2> "$TMP/deadline.err"
 sleep 3
 dropped=$(json_get "$JOB3" "(int(j['serving'].get('microbatches', 0)), int(j['serving'].get('failed', 0)))")
 grep -q "DEADLINE_EXCEEDED\|Deadline" "$TMP/deadline.err" && [ "$dropped" = "(0, 1)" ] \
@@ -147,15 +147,18 @@ ctl cancel "$JOB_BF16" > /dev/null
 
 # A malformed request does not reach the pipeline (or disturb it): the next one is answered.
 printf 'garbage' > "$TMP/garbage.pt"
-ctl infer "$JOB" --input "$TMP/garbage.pt" > /dev/null 2> "$TMP/garbage.err"
+ctl infer "$JOB" --input "$TMP/garbage.pt" -o "$TMP/garbage.out.pt" > /dev/null 2> "$TMP/garbage.err"
 code=$?
-grep -q "INVALID_ARGUMENT\|input" "$TMP/garbage.err" && [ $code -ne 0 ] && ctl infer "$JOB" --input "$TMP/one.pt" > "$TMP/next.out" \
+grep -q "INVALID_ARGUMENT\|input" "$TMP/garbage.err" && [ $code -ne 0 ] && ctl infer "$JOB" --input "$TMP/one.pt" -o "$TMP/next.out.pt" > "$TMP/next.out" \
   && ok "a malformed request is refused ($(head -c 120 "$TMP/garbage.err")) and the next is answered" \
   || bad "malformed: $(cat "$TMP/garbage.err")"
-# Without -o, infer says the output was not kept (it does not vanish silently).
-grep -q "; the output ([0-9]* bytes, torch.save) was not kept: -o FILE writes it" "$TMP/next.out" &&
-  ok "infer without -o says so: $(cut -c1-150 "$TMP/next.out")" || bad "infer without -o: $(cat "$TMP/next.out")"
-ctl infer no-such-job --input "$TMP/one.pt" > /dev/null 2> "$TMP/nojob.err"
+# infer needs -o (the answer does not vanish silently).
+ctl infer "$JOB" --input "$TMP/one.pt" > /dev/null 2> "$TMP/noout.err"
+code=$?
+[ "$code" = 2 ] && grep -q -- "--out is required" "$TMP/noout.err" && [ -s "$TMP/next.out.pt" ] &&
+  ok "infer without -o is refused before sending ($(head -c 80 "$TMP/noout.err")); with -o the answer is written" ||
+  bad "infer without -o: exit $code, $(cat "$TMP/noout.err")"
+ctl infer no-such-job --input "$TMP/one.pt" -o "$TMP/nojob.out.pt" > /dev/null 2> "$TMP/nojob.err"
 grep -q "no serving job 'no-such-job'" "$TMP/nojob.err" && ok "an unknown job is NOT_FOUND naming it" \
   || bad "unknown job: $(cat "$TMP/nojob.err")"
 
@@ -235,7 +238,7 @@ counts() { /usr/bin/python3 -c "import json,sys; s=json.load(open(sys.argv[1]))[
 [ "$(counts "$TMP/cancel.json")" = "$(counts "$TMP/cancelled.json")" ] && [ "$(counts "$TMP/cancel.json" | cut -d' ' -f1)" -gt 0 ] &&
   ok "cancel's request counts are status's afterwards: $(counts "$TMP/cancel.json") (requests, failed, rows)" ||
   bad "cancel said $(counts "$TMP/cancel.json"), status later $(counts "$TMP/cancelled.json")"
-ctl infer "$JOB" --input "$TMP/one.pt" > /dev/null 2> "$TMP/after.err"
+ctl infer "$JOB" --input "$TMP/one.pt" -o "$TMP/after.out.pt" > /dev/null 2> "$TMP/after.err"
 grep -q "ended (CANCELLED" "$TMP/after.err" && ok "a request after cancel is refused: $(head -c 100 "$TMP/after.err")" \
   || bad "after cancel: $(cat "$TMP/after.err")"
 
