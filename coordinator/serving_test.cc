@@ -38,10 +38,10 @@ class ServingQueueTest : public ::testing::Test {
  protected:
   // A queue of one 2-D float32 input "x" and one stage; micro-batches may carry
   // `budget` bytes of tensors (the message bound less its 64 KiB of framing room).
-  void Make(int64_t budget, bool start = true) {
+  void Make(int64_t budget, bool start = true, int max_batch = 32) {
     ServingQueue::Options o;
     o.job_id = "job-t";
-    o.max_batch = 32;
+    o.max_batch = max_batch;
     o.max_delay = absl::ZeroDuration();
     o.stages = 1;
     o.max_inflight = 8;
@@ -78,6 +78,10 @@ class ServingQueueTest : public ::testing::Test {
     auto there = [this, tag]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return answers_.count(tag) > 0; };
     return mu_.AwaitWithTimeout(absl::Condition(&there), absl::Seconds(10));
   }
+  bool Answered(const std::string& tag) {
+    absl::MutexLock lock(&mu_);
+    return answers_.count(tag) > 0;
+  }
   Sent SentAt(size_t i) {
     absl::MutexLock lock(&mu_);
     return sent_.at(i);
@@ -94,6 +98,16 @@ class ServingQueueTest : public ::testing::Test {
     r.set_step(s.step);
     r.set_ok(true);
     r.set_output(Pickle(s.input));
+    queue_->OnResult(r);
+  }
+  // The model refused micro-batch i (a stage's forward failed on one of its requests).
+  void AnswerAborted(size_t i) {
+    ServeResult r;
+    r.set_attempt(0);
+    r.set_step(SentAt(i).step);
+    r.set_ok(false);
+    r.set_aborted(true);
+    r.set_error("index out of range in self");
     queue_->OnResult(r);
   }
   void AnswerTooLarge(size_t i) {
@@ -173,6 +187,39 @@ TEST_F(ServingQueueTest, AnOutputTooLarge_SendsEachRequestAlone_ThenFailsOnlyThe
   ASSERT_TRUE(WaitAnswered("b"));
   EXPECT_EQ(AnswerOf("a").status.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(AnswerOf("a").status.message(), HasSubstr("send fewer rows per request"));
+  ASSERT_TRUE(AnswerOf("b").status.ok()) << AnswerOf("b").status;
+  const std::string& out = AnswerOf("b").output;
+  EXPECT_TRUE(torch::equal(Unpickle(out).toTensor(), torch::full({2, 4}, 2.0)));
+}
+
+// The race of a request split over two micro-batches: A (6 rows, the culprit) fills the
+// first and half the second, B (2 rows, innocent) the rest. The first fails: A alone
+// goes again. The second fails too, its A rows stale by then: B, its only live request,
+// was not alone in it and must go again alone rather than fail for A's rows.
+TEST_F(ServingQueueTest, AnInnocentRequestSharingAStaleSegmentOfTheCulprit_IsSentAgainAlone) {
+  Make(/*budget=*/1 << 20, /*start=*/false, /*max_batch=*/4);
+  ASSERT_TRUE(Submit(torch::ones({6, 4}), "a").ok());
+  ASSERT_TRUE(Submit(torch::full({2, 4}, 2.0), "b").ok());
+  Start();
+  ASSERT_TRUE(WaitSent(2));  // both full (4 rows): A[0:4], then A[4:6] + B[0:2]
+  ASSERT_EQ(SentAt(0).rows, 4);
+  ASSERT_EQ(SentAt(1).rows, 4);
+  AnswerAborted(0);  // A goes again alone
+  AnswerAborted(1);  // A's rows here are stale; B goes again alone
+  // Then each alone, in turn: A fails in the model again (its first 4 rows; the rest is
+  // dropped with it), B is answered.
+  for (size_t i = 2; i < 6 && !(Answered("a") && Answered("b")); ++i) {
+    ASSERT_TRUE(WaitSent(i + 1)) << "micro-batch " << i;
+    if (torch::equal(SentAt(i).input, torch::full({2, 4}, 2.0))) {
+      AnswerIdentity(i);
+    } else {
+      AnswerAborted(i);
+    }
+  }
+  ASSERT_TRUE(WaitAnswered("a"));
+  ASSERT_TRUE(WaitAnswered("b"));
+  EXPECT_EQ(AnswerOf("a").status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(AnswerOf("a").status.message(), HasSubstr("the model failed on this request"));
   ASSERT_TRUE(AnswerOf("b").status.ok()) << AnswerOf("b").status;
   const std::string& out = AnswerOf("b").output;
   EXPECT_TRUE(torch::equal(Unpickle(out).toTensor(), torch::full({2, 4}, 2.0)));
