@@ -280,7 +280,7 @@ void JobRun::StartServing() {
   const std::string job_id = id();
   const int attempt = job_.attempt();
   std::vector<std::shared_ptr<WorkerChannel>> channels = channels_;
-  const int64_t max_output = std::max<int64_t>(serving_->max_message_bytes() - (int64_t{64} << 10), 1);
+  const int64_t max_output = serving_->MessageBudget();
   serving_->Start(attempt, std::move(needs),
                   [job_id, attempt, channels, max_output](int64_t step, const std::vector<std::string>& inputs,
                                                           int64_t rows) {

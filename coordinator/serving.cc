@@ -547,9 +547,9 @@ void ServingQueue::SetMaxMessageBytes(int64_t bytes) {
   impl_->max_message_bytes = bytes;
 }
 
-int64_t ServingQueue::max_message_bytes() const {
+int64_t ServingQueue::MessageBudget() const {
   absl::MutexLock lock(&impl_->mu);
-  return impl_->max_message_bytes;
+  return impl_->MessageBudget();
 }
 
 metrics::Histogram ServingQueue::LatencySeconds() const {

@@ -97,7 +97,9 @@ class ServingQueue {
   void OnResult(const ServeResult& result);
   // The message bound (Options::max_message_bytes) of the coordinator it runs in.
   void SetMaxMessageBytes(int64_t bytes);
-  int64_t max_message_bytes() const;
+  // What a micro-batch's tensors, and its pickled output, may take: the message bound
+  // less room for the rest of the message (pickle framing, ids).
+  int64_t MessageBudget() const;
   ServingStats Stats() const;
   // Request latency (arrival to answer, seconds) of every answered request, for /metrics.
   metrics::Histogram LatencySeconds() const;

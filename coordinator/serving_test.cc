@@ -101,22 +101,19 @@ class ServingQueueTest : public ::testing::Test {
     queue_->OnResult(r);
   }
   // The model refused micro-batch i (a stage's forward failed on one of its requests).
-  void AnswerAborted(size_t i) {
-    ServeResult r;
-    r.set_attempt(0);
-    r.set_step(SentAt(i).step);
-    r.set_ok(false);
-    r.set_aborted(true);
-    r.set_error("index out of range in self");
-    queue_->OnResult(r);
-  }
+  void AnswerAborted(size_t i) { AnswerFailed(i, /*too_large=*/false, "index out of range in self"); }
+  // The worker found micro-batch i's output larger than a message.
   void AnswerTooLarge(size_t i) {
+    AnswerFailed(i, /*too_large=*/true, "the output of N rows is M bytes, more than one message may carry");
+  }
+  void AnswerFailed(size_t i, bool too_large, const std::string& error) {
     ServeResult r;
     r.set_attempt(0);
     r.set_step(SentAt(i).step);
     r.set_ok(false);
-    r.set_too_large(true);
-    r.set_error("the output of N rows is M bytes, more than one message may carry");
+    r.set_aborted(!too_large);
+    r.set_too_large(too_large);
+    r.set_error(error);
     queue_->OnResult(r);
   }
 

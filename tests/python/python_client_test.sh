@@ -58,28 +58,26 @@ except pippy.PippyError as e:
     print("refused:", e)
 spec = pippy.make_spec(sys.argv[2], sys.argv[3], stages=2, schedule="1f1b", microbatches=2, batch_size=16, dtype="bf16")
 assert spec.precision == pippy.job_pb2.PRECISION_BF16, spec
-try:
-    pippy.make_spec(sys.argv[2], sys.argv[3], stages=2, schedule="1f1b", microbatches=2, batch_size=16, dtype="fp16")
-    raise SystemExit("no error for dtype fp16")
-except pippy.PippyError as e:  # the README promises PippyError, not ValueError
-    assert e.code == grpc.StatusCode.INVALID_ARGUMENT and "dtype: unknown 'fp16'; use fp32, bf16" in str(e), e
-try:
-    c.submit(sys.argv[2], sys.argv[3], stage=2, schedule="1f1b", microbatches=2, batch_size=16, loss="mse",
-             optimizer="sgd")
-    raise SystemExit("no error for a misspelled keyword")
-except pippy.PippyError as e:
-    assert e.code == grpc.StatusCode.INVALID_ARGUMENT and "unknown argument 'stage'; did you mean stages" in str(e), e
-try:
-    c.submit(sys.argv[2], sys.argv[3], stages=2, schedule="zigzag", microbatches=2, batch_size=16, loss="mse",
-             optimizer="sgd")
-    raise SystemExit("no error for an unknown schedule")
-except pippy.PippyError as e:
-    assert e.code == grpc.StatusCode.INVALID_ARGUMENT and "schedule: unknown 'zigzag'" in str(e), e
-try:
-    c.serve(sys.argv[2], sys.argv[3], stages=2, max_batchh=8)
-    raise SystemExit("no error for a misspelled serve keyword")
-except pippy.PippyError as e:
-    assert e.code == grpc.StatusCode.INVALID_ARGUMENT and "unknown argument 'max_batchh'; did you mean max_batch" in str(e), e
+def refused(what, call, message):
+    """call() raises PippyError(INVALID_ARGUMENT) containing message (the README
+    promises PippyError, not ValueError or TypeError)."""
+    try:
+        call()
+    except pippy.PippyError as e:
+        assert e.code == grpc.StatusCode.INVALID_ARGUMENT and message in str(e), (what, e)
+        return
+    raise SystemExit(f"no error for {what}")
+refused("dtype fp16", lambda: pippy.make_spec(sys.argv[2], sys.argv[3], stages=2, schedule="1f1b", microbatches=2,
+                                              batch_size=16, dtype="fp16"),
+        "dtype: unknown 'fp16'; use fp32, bf16")
+refused("a misspelled keyword", lambda: c.submit(sys.argv[2], sys.argv[3], stage=2, schedule="1f1b", microbatches=2,
+                                                 batch_size=16, loss="mse", optimizer="sgd"),
+        "unknown argument 'stage'; did you mean stages")
+refused("an unknown schedule", lambda: c.submit(sys.argv[2], sys.argv[3], stages=2, schedule="zigzag",
+                                                microbatches=2, batch_size=16, loss="mse", optimizer="sgd"),
+        "schedule: unknown 'zigzag'")
+refused("a misspelled serve keyword", lambda: c.serve(sys.argv[2], sys.argv[3], stages=2, max_batchh=8),
+        "unknown argument 'max_batchh'; did you mean max_batch")
 for torch_name, kind in (("Schedule1F1B", "SCHEDULE_1F1B"), ("ScheduleZBVZeroBubble", "SCHEDULE_ZBV")):
     spec = pippy.make_spec(sys.argv[2], sys.argv[3], stages=2, schedule=torch_name, microbatches=2, batch_size=16)
     assert spec.schedule.kind == getattr(pippy.job_pb2, kind), (torch_name, spec.schedule.kind)
