@@ -3,9 +3,11 @@
 
 #include "client/commands.h"
 #include "common/cli.h"
+#include "common/memory.h"
 
 int main(int argc, char** argv) {
   using namespace pippy::cli;
+  pippy::KeepFreedMemoryForStreams(/*max_arenas=*/2);  // submit and fetch stream files in chunks (memory.h)
   CLI::App app("pippyctl: split, schedule, submit and follow pipeline-parallel jobs.\n"
                "Exit codes: 0 success, 1 internal error or a job that did not succeed, 2 bad input, "
                "3 coordinator unreachable.",

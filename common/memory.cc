@@ -13,6 +13,12 @@ void KeepFreedMemory() {
   mallopt(M_TRIM_THRESHOLD, 0x7fffffff);  // the largest value mallopt takes (2 GiB)
 }
 
+void KeepFreedMemoryForStreams(int max_arenas) {
+  if (max_arenas > 0) mallopt(M_ARENA_MAX, max_arenas);
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  mallopt(M_TRIM_THRESHOLD, 32 << 20);
+}
+
 void ReturnFreedMemory() { malloc_trim(0); }
 
 int64_t TakePeakResidentBytes() {

@@ -45,6 +45,13 @@ absl::Status Upload::Close() {
     const bool ok = static_cast<bool>(*f);
     f->close();
     if (!ok) return absl::UnavailableError(absl::StrCat("writing the upload in '", dir_, "' failed (disk full?)"));
+    // On disk before the job is accepted: a job whose record survives a crash has its
+    // model too (a restart prepares a detached submission again from it).
+    const std::string path = f == &model_ ? model_path() : data_path();
+    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    const bool synced = fd >= 0 && fsync(fd) == 0;
+    if (fd >= 0) close(fd);
+    if (!synced) return absl::UnavailableError(absl::StrCat("syncing '", path, "' failed: ", strerror(errno)));
   }
   return absl::OkStatus();
 }

@@ -45,7 +45,7 @@ class Upload {
   // Errors: UNAVAILABLE when the disk write fails (the message names the file).
   absl::Status AppendModel(absl::string_view chunk);
   absl::Status AppendData(absl::string_view chunk);
-  // Flushes and closes both files. Errors: UNAVAILABLE.
+  // Flushes, closes and fsyncs both files. Errors: UNAVAILABLE.
   absl::Status Close();
 
   const std::string& dir() const { return dir_; }

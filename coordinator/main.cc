@@ -19,6 +19,7 @@
 #include "absl/strings/str_join.h"
 #include "common/cli.h"
 #include "common/log.h"
+#include "common/memory.h"
 #include "common/port_owner.h"
 #include "common/test_hooks.h"
 #include "common/metrics.h"
@@ -360,6 +361,7 @@ int Serve(const Flags& f) {
 
 int main(int argc, char** argv) {
   using namespace pippy;
+  KeepFreedMemoryForStreams(/*max_arenas=*/2);  // uploads, stage files and merged models stream through it (memory.h)
   // The children that prepare a submission and merge a trained model (child_process.h).
   // They end with _Exit once their files are closed: no static destructors (LibTorch's
   // thread pools among them) can keep a finished child from exiting, which its parent

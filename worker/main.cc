@@ -2,6 +2,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/cli.h"
 #include "common/log.h"
+#include "common/memory.h"
 #include "common/test_hooks.h"
 #include "worker/worker_agent.h"
 
@@ -13,6 +14,7 @@ constexpr char kProgram[] = "pippy-worker";
 
 int main(int argc, char** argv) {
   using namespace pippy;
+  KeepFreedMemoryForStreams();  // its stages arrive as a stream of chunks (memory.h)
   CLI::App app("Registers with a pippy-coordinator and runs the pipeline ranks it is assigned (one per job at a "
                "time), receiving only its own stages.",
                kProgram);
