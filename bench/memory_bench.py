@@ -10,8 +10,11 @@ ru_maxrss. Also times submit, placement (PLACING -> RUNNING) and fetch.
 
 The coordinator prepares a submission and merges a trained model in child processes
 (coordinator/child_process.h); their peaks (the coordinator logs them) are rows of
-their own. Submit is timed beside `cp` of the model file into the state directory, and
-PLACING -> RUNNING beside `cp` of the largest stage file (same run).
+their own. Submit (`pippyctl submit --detach`: the job id once the upload is stored and
+fsynced; the preparation follows, timed to QUEUED) is timed beside `cp` of the model
+file into the state directory, with and without a sync; PLACING -> RUNNING beside the
+same for a one-stage job of the largest stage's layers on one worker (the largest
+stage sent alone), and beside a copy of that many bytes (same run).
 
 Budgets:
   worker        <= (k + 0.2) x its stages' parameter bytes + 400 MB   (k = 3 SGD, 4 Adam/AdamW)
@@ -93,6 +96,8 @@ layers = []
 for _ in range({a.layers}):
     layers += [torch.nn.Linear({a.hidden}, {a.hidden}), torch.nn.ReLU()]
 torch.jit.script(torch.nn.Sequential(*layers)).save("{model}")
+# The reference for placement: one stage's worth of the model, sent alone to one worker.
+torch.jit.script(torch.nn.Sequential(*layers[:2 * ({a.layers} // {a.workers})])).save("{model}.stage.pt")
 """], check=True, env=env)
     model_bytes = os.path.getsize(model)
     param_bytes = a.layers * (a.hidden * a.hidden + a.hidden) * 4
@@ -129,14 +134,16 @@ torch.jit.script(torch.nn.Sequential(*layers)).save("{model}")
         # copying the largest stage file (measured after the job, below).
         t = time.perf_counter()
         shutil.copyfile(model, f"{tmp}/state/model-copy.pt")
+        cp_only_s = time.perf_counter() - t
         os.sync()
         cp_model_s = time.perf_counter() - t
         os.remove(f"{tmp}/state/model-copy.pt")
+        os.sync()
         spec = f"inputs=float32[{a.batch * 4},{a.hidden}];targets=float32[{a.batch * 4},{a.hidden}];seed=0"
         submit = run_measured(ctl + ["submit", model, "--synthetic", spec, "--stages", str(a.workers), "--schedule",
                                      "1f1b", "--microbatches", str(a.microbatches), "--batch-size", str(a.batch),
                                      "--steps", str(a.steps), "--loss", "mse", "--optimizer", a.optimizer,
-                                     "--lr", "1e-4"], env)
+                                     "--lr", "1e-4", "--detach"], env)
         if submit["rc"] != 0:
             print("submit failed:", submit["err"])
             return 1
@@ -166,6 +173,26 @@ torch.jit.script(torch.nn.Sequential(*layers)).save("{model}")
         stages_of = {w["name"]: [int(s) for s in w.get("stages", [])] for w in workers}
         peaks = {name: vm_hwm(p.pid) for name, p in procs.items()}
         largest_stage = max(stage_files) if stage_files else 0
+        # The largest stage sent alone: a one-stage job of that stage's layers on one
+        # worker (the others idle), PLACING -> RUNNING timed the same way.
+        alone = subprocess.run(ctl + ["submit", f"{model}.stage.pt", "--synthetic", spec, "--stages", "1",
+                                      "--schedule", "gpipe", "--microbatches", str(a.microbatches), "--batch-size",
+                                      str(a.batch), "--steps", "1", "--loss", "mse", "--optimizer", a.optimizer,
+                                      "--lr", "1e-4"], capture_output=True, text=True, env=env)
+        alone_seen = {}
+        if alone.returncode == 0:
+            alone_job = alone.stdout.strip()
+            t_alone = time.perf_counter()
+            while True:
+                r = subprocess.run(ctl + ["status", alone_job, "--output", "json"], capture_output=True, text=True)
+                st = json.loads(r.stdout)["state"]
+                alone_seen.setdefault(st, time.perf_counter() - t_alone)
+                if st in TERMINAL:
+                    break
+                time.sleep(0.1)
+        else:
+            print("the one-stage reference job was refused:", alone.stderr)
+        alone_s = alone_seen.get("RUNNING", float("nan")) - alone_seen.get("PLACING", 0)
         t = time.perf_counter()
         with open(f"{tmp}/stage-copy.pt", "wb") as out:
             with open(model, "rb") as src:  # the largest stage's size of bytes, read and written
@@ -218,10 +245,14 @@ torch.jit.script(torch.nn.Sequential(*layers)).save("{model}")
         print(f"{name:34s} {peak / MB:8.0f} MiB {budget / MB:8.0f} MiB {ratio:7.2f}  {'ok' if ratio <= 1 else 'OVER':4s} {sizes}")
     print(f"\nstage files: {', '.join(f'{b / MB:.0f} MiB' for b in stage_files)}")
     placing = seen.get('RUNNING', float('nan')) - seen.get('PLACING', 0)
-    print(f"times: submit {submit['seconds']:.1f} s, cp of the model {cp_model_s:.1f} s: "
-          f"{submit['seconds'] / max(cp_model_s, 1e-9):.1f}x (target 1.5x); "
-          f"PLACING -> RUNNING {placing:.1f} s, cp of the largest stage ({largest_stage / MB:.0f} MiB) {cp_stage_s:.1f} s: "
-          f"{placing / max(cp_stage_s, 1e-9):.1f}x (target 1.5x); fetch {fetch['seconds']:.1f} s")
+    prepared = seen.get('QUEUED', seen.get('PLACING', float('nan')))
+    print(f"submit (pippyctl submit --detach returns the job id; the upload fsynced) {submit['seconds']:.1f} s "
+          f"against cp of the model into the state directory {cp_only_s:.1f} s, cp + sync {cp_model_s:.1f} s: "
+          f"{submit['seconds'] / max(cp_model_s, 1e-9):.2f}x cp + sync, {submit['seconds'] / max(cp_only_s, 1e-9):.2f}x "
+          f"cp (target 1.5x); prepared (QUEUED) {prepared:.1f} s after the id")
+    print(f"PLACING -> RUNNING {placing:.1f} s ({a.workers} workers at once) against the largest stage "
+          f"({largest_stage / MB:.0f} MiB) sent alone to one worker {alone_s:.1f} s: {placing / max(alone_s, 1e-9):.2f}x "
+          f"(target 1.5x); cp of that many bytes {cp_stage_s:.1f} s; fetch {fetch['seconds']:.1f} s")
     print(f"state first seen (s after submit returned): " +
           ", ".join(f"{s} {t:.1f}" for s, t in sorted(seen.items(), key=lambda x: x[1])))
     # The fetched file is a TorchScript archive PyTorch opens (zip64 past 2 GiB), with

@@ -385,6 +385,7 @@ struct SubmitFlags {
   int replicas = 1;
   uint64_t seed = 0;
   bool wait = false;
+  bool detach = false;
 };
 
 absl::StatusOr<JobSpec> SpecFrom(const SubmitFlags& f) {
@@ -457,14 +458,16 @@ absl::Status Stream(grpc::ClientWriter<SubmitJobRequest>* writer, const std::str
 }
 
 // Submits the spec, the model and the data file (if any); returns the job's id.
+// `detach`: the coordinator answers once the upload is stored (SubmitJobRequest.detach).
 absl::StatusOr<std::string> Submit(Coordinator::Stub* stub, const JobSpec& spec, const std::string& model,
-                                   const std::string& data, const GlobalFlags& g) {
+                                   const std::string& data, const GlobalFlags& g, bool detach = false) {
   grpc::ClientContext ctx;
   Authorize(&ctx, g);
   SubmitJobResponse resp;
   auto writer = stub->SubmitJob(&ctx, &resp);
   SubmitJobRequest first;
   *first.mutable_spec() = spec;
+  first.set_detach(detach);
   absl::Status streamed;
   if (writer->Write(first)) {
     streamed = Stream(writer.get(), model, /*model=*/true);
@@ -491,7 +494,7 @@ int RunSubmit(const SubmitFlags& f, const GlobalFlags& g) {
   auto spec = SpecFrom(f);
   if (!spec.ok()) return Fail(kProgram, InCliWords(spec.status(), f.model, f.data));
   auto stub = Connect(g);
-  absl::StatusOr<std::string> id = Submit(stub.get(), *spec, f.model, f.data, g);
+  absl::StatusOr<std::string> id = Submit(stub.get(), *spec, f.model, f.data, g, f.detach);
   if (!id.ok()) return Fail(kProgram, InCliWords(id.status(), f.model, f.data));
   const bool json = g.output == "json";
   if (!f.wait) return kExitOk;
@@ -559,6 +562,10 @@ void AddSubmit(CLI::App& root, const GlobalFlags& g, int* exit_code) {
                   "how long a restart waits for enough idle workers before the job fails (default 300)")
       ->check(cli::Positive());
   cmd->add_flag("--wait", f->wait, "follow the job until it ends; exit 0 only if it SUCCEEDED");
+  cmd->add_flag("--detach", f->detach,
+                "return the job's id as soon as the upload is stored, without waiting for the coordinator to check "
+                "and split the model: the job is PARTITIONING meanwhile, and a refusal shows as FAILED with its "
+                "reason in `pippyctl status` (without --detach it is an error here, exit 2)");
   cmd->callback([f, &g, exit_code] { *exit_code = RunSubmit(*f, g); });
 }
 

@@ -53,6 +53,9 @@ void Coordinator::RestoreJobs() {
                                                   &restored);
     if (restored == JobRun::Restored::kQueued) queue_.push_back(record.job_id());
     if (restored == JobRun::Restored::kRecovering) queue_.insert(queue_.begin(), record.job_id());
+    if (restored == JobRun::Restored::kPreparing) {
+      tasks_.Run([this, id = record.job_id(), spec = record.spec()] { PrepareDetached(id, spec); });
+    }
     AddJob(std::move(run));
   }
 }
@@ -217,46 +220,112 @@ static std::vector<std::string> NoticesFor(const PreparedJob& p, int registered)
   return notices;
 }
 
-absl::StatusOr<std::string> Coordinator::SubmitJob(const JobSpec& spec, std::unique_ptr<Upload> upload,
-                                                   const std::string& user, std::vector<std::string>* notices) {
-  absl::Status closed = upload->Close();
-  if (!closed.ok()) return closed;
-  absl::Status room = CheckUserQueue(user);
-  if (!room.ok()) return room;
-  absl::Status slot = AcquireModelSlot();
-  if (!slot.ok()) return slot;
+PrepareOptions Coordinator::PrepareOptionsFor(std::shared_ptr<const std::atomic<bool>> ended) const {
   PrepareOptions prepare;
   prepare.preparer = options_.child_binary;
   prepare.timeout = options_.prepare_timeout;
   prepare.probe_timeout = options_.probe_timeout;
-  prepare.cancelled = [this] { return stopping_.load(); };
-  absl::StatusOr<PreparedJob> prepared = PrepareJob(spec, upload->dir(), prepare);
+  prepare.cancelled = [this, ended = std::move(ended)] { return stopping_.load() || (ended && ended->load()); };
+  return prepare;
+}
+
+absl::Status Coordinator::Queue(JobRun& run, const PreparedJob& prepared, std::vector<std::string>* notices) {
+  for (const std::string& n : NoticesFor(prepared, workers_->size())) {
+    run.AddEvent(absl::StrCat("note: ", n));
+    if (notices != nullptr) notices->push_back(n);
+  }
+  log::Info("job={} accepted: {} stage(s) on {} worker(s){}, schedule {}", run.id(), prepared.plan.stages_size(),
+            run.ranks(), run.layout().replicas() > 1 ? absl::StrCat(" (", run.layout().replicas(), " replicas)") : "",
+            job::ScheduleName(prepared.spec.schedule().kind()));
+  queue_.push_back(run.id());
+  Schedule();  // placed now if enough workers are idle
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> Coordinator::SubmitJob(const JobSpec& spec, std::unique_ptr<Upload> upload,
+                                                   const std::string& user, std::vector<std::string>* notices,
+                                                   bool detach) {
+  absl::Status closed = upload->Close();
+  if (!closed.ok()) return closed;
+  absl::Status room = CheckUserQueue(user);
+  if (!room.ok()) return room;
+  Job job;
+  job.set_user(user);
+  *job.mutable_spec() = spec;
+  job.set_created_unix_ms(absl::ToUnixMillis(absl::Now()));
+  job.set_model_bytes(upload->model_bytes());
+  if (detach) {
+    std::string id;
+    {
+      absl::MutexLock lock(&mu_);
+      if (stop_ || stopping_) return absl::UnavailableError("the coordinator is stopping; submit again once it is back");
+      id = absl::StrCat("job-", next_job_++);
+      PIPPY_RETURN_IF_ERROR(artifacts_->Accept(*upload, id));
+      job.set_job_id(id);
+      std::unique_ptr<JobRun> run = JobRun::Preparing({store_.get(), artifacts_.get()}, std::move(job));
+      run->AddEvent(absl::StrCat("uploaded (", upload->model_bytes() >> 20, " MiB of model, ",
+                                 upload->data_bytes() >> 20, " MiB of data); being prepared"));
+      AddJob(std::move(run));
+    }
+    tasks_.Run([this, id, spec] { PrepareDetached(id, spec); });
+    return id;
+  }
+  absl::Status slot = AcquireModelSlot();
+  if (!slot.ok()) return slot;
+  absl::StatusOr<PreparedJob> prepared = PrepareJob(spec, upload->dir(), PrepareOptionsFor(nullptr));
   ReleaseModelSlot();
   if (!prepared.ok()) return prepared.status();
   absl::MutexLock lock(&mu_);
   PIPPY_RETURN_IF_ERROR(Admit(*prepared));
   const std::string id = absl::StrCat("job-", next_job_++);
   PIPPY_RETURN_IF_ERROR(artifacts_->Accept(*upload, id));
-  Job job;
   job.set_job_id(id);
-  job.set_user(user);
   *job.mutable_spec() = prepared->spec;
   *job.mutable_plan() = prepared->plan;
-  job.set_created_unix_ms(absl::ToUnixMillis(absl::Now()));
-  job.set_model_bytes(upload->model_bytes());
   auto run = std::make_unique<JobRun>(JobRun::Stores{store_.get(), artifacts_.get()}, std::move(job),
                                       prepared->layout, prepared->share_bytes, prepared->stage_bytes);
-  for (const std::string& n : NoticesFor(*prepared, workers_->size())) {
-    run->AddEvent(absl::StrCat("note: ", n));
-    if (notices != nullptr) notices->push_back(n);
-  }
-  log::Info("job={} accepted: {} stage(s) on {} worker(s){}, schedule {}", id, prepared->plan.stages_size(), run->ranks(),
-            run->layout().replicas() > 1 ? absl::StrCat(" (", run->layout().replicas(), " replicas)") : "",
-            job::ScheduleName(prepared->spec.schedule().kind()));
+  JobRun& added = *run;
   AddJob(std::move(run));
-  queue_.push_back(id);
-  Schedule();  // placed now if enough workers are idle
+  PIPPY_RETURN_IF_ERROR(Queue(added, *prepared, notices));
   return id;
+}
+
+void Coordinator::PrepareDetached(const std::string& job_id, const JobSpec& spec) {
+  std::shared_ptr<const std::atomic<bool>> ended;
+  {
+    absl::MutexLock lock(&mu_);
+    JobRun* run = Find(job_id);
+    if (run == nullptr || run->state() != PARTITIONING) return;
+    ended = run->StopFlag();
+  }
+  if (!AcquireModelSlot().ok()) return;  // stopping: a restart prepares it again
+  absl::StatusOr<PreparedJob> prepared =
+      ended->load() ? absl::CancelledError("ended") : PrepareJob(spec, artifacts_->JobDir(job_id), PrepareOptionsFor(ended));
+  ReleaseModelSlot();
+  Outbox out;
+  bool cancelled = false;
+  {
+    absl::MutexLock lock(&mu_);
+    JobRun* run = Find(job_id);
+    cancelled = run == nullptr || run->ended();
+    // The coordinator stopping stopped the child: the record stays PARTITIONING and a
+    // restart prepares it again.
+    if (!cancelled && !stop_ && !stopping_) {
+      absl::Status s = prepared.status();
+      if (s.ok()) s = Admit(*prepared);
+      if (s.ok()) {
+        run->Prepared(prepared->spec, prepared->plan, prepared->layout, prepared->share_bytes, prepared->stage_bytes);
+        s = Queue(*run, *prepared, nullptr);
+      }
+      if (!s.ok()) {
+        log::Info("job={} refused: {}", job_id, s.message());
+        EndJob(*run, FAILED, std::string(s.message()), &out);
+      }
+    }
+  }
+  // Cancelled or deleted while its child wrote: what the child left goes too.
+  if (cancelled) artifacts_->RemoveJobFiles(job_id);
+  Deliver(&out);
 }
 
 std::vector<RankSend> Coordinator::PlaceOnIdleWorkers(JobRun& run, NoFit* no_fit) {

@@ -7,7 +7,9 @@
 // A submission is prepared once, when it arrives (job_preparation.h), in a child
 // process: the model is loaded, checked against the data and split, its layout made,
 // its stage files and each rank's share of the data written; an invalid submission is
-// refused then, with INVALID_ARGUMENT naming the field, and SubmitJob returns. The
+// refused then, with INVALID_ARGUMENT naming the field, and SubmitJob returns (a
+// detached submission returns after the upload: PARTITIONING while it is prepared on a
+// task thread, FAILED with the same message if it is refused). The
 // coordinator's own process never loads the model nor runs its code. The job is
 // QUEUED until enough idle workers are registered (no earlier job waiting for them
 // first), then PLACING: each worker receives only its own stages and its share of the
@@ -30,7 +32,8 @@
 // state directory, queued jobs stay queued, and jobs that were placed or running
 // resume (RECOVERING) from their last checkpoint once workers reconnect; workers keep
 // their ids. Jobs of older coordinators whose stages were still only in memory
-// (PARTITIONING) are FAILED.
+// (PARTITIONING) are FAILED, unless the model is in the job's folder (a detached
+// submission): then it is prepared again.
 //
 // Thread safety: every public method may be called from any thread. One mutex guards
 // the registry, the jobs and the queue; messages to workers are sent after it is
@@ -112,8 +115,13 @@ class Coordinator {
   // `notices` (if given) receives what was accepted but is probably not meant (also
   // added to the job's history): workers the schedule leaves idle, a batch larger
   // than the data.
+  // `detach` (SubmitJobRequest.detach): returns the id once the upload is stored; the
+  // job is PARTITIONING while a task thread prepares it, then QUEUED, or FAILED with
+  // what would have been the error's message as its reason (notices go only to its
+  // history). Errors then: RESOURCE_EXHAUSTED (the user's queue), UNAVAILABLE.
   absl::StatusOr<std::string> SubmitJob(const JobSpec& spec, std::unique_ptr<Upload> upload,
-                                        const std::string& user = "", std::vector<std::string>* notices = nullptr);
+                                        const std::string& user = "", std::vector<std::string>* notices = nullptr,
+                                        bool detach = false);
   absl::StatusOr<Job> GetJob(const std::string& job_id);
   // A page of job summaries (ListJobsRequest says how it pages and filters).
   // Errors: INVALID_ARGUMENT naming the request field.
@@ -164,6 +172,18 @@ class Coordinator {
   // them; with only GPU workers, every rank fits one). Errors: INVALID_ARGUMENT.
   absl::Status Admit(const PreparedJob& prepared) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckUserQueue(const std::string& user);
+  // How children prepare submissions (deadlines, binary), stopping with the coordinator
+  // and when `ended` (a detached job's stop flag; may be null) is set.
+  PrepareOptions PrepareOptionsFor(std::shared_ptr<const std::atomic<bool>> ended) const;
+  // A detached submission (PARTITIONING, its files in its job folder): prepared on a
+  // task thread, then queued or FAILED. Ends quietly when the job was cancelled or
+  // deleted meanwhile; when the coordinator stops, the record stays PARTITIONING and a
+  // restart prepares it again.
+  void PrepareDetached(const std::string& job_id, const JobSpec& spec);
+  // A prepared submission, checked against the workers, becomes QUEUED (and is placed
+  // if workers are idle); its notices go into the job's history (and `notices`).
+  absl::Status Queue(JobRun& run, const PreparedJob& prepared, std::vector<std::string>* notices)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Places queued jobs (whose stages are on disk) on idle workers; starts their senders.
   void Schedule() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Chooses workers for the job and places it there (none: empty). `no_fit`: the

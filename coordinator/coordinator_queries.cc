@@ -202,6 +202,11 @@ absl::Status Coordinator::Infer(const std::string& job, std::string input, Servi
                                                         "); serve the model again"));
     }
     queue = found->serving();
+    if (queue == nullptr) {  // a detached submission not yet prepared
+      return absl::UnavailableError(absl::StrCat("serving job ", found->id(), " is ", JobState_Name(found->state()),
+                                                 ": it takes requests once it is SERVING (pippyctl serve --wait "
+                                                 "waits for that)"));
+    }
   }
   return queue->Submit(std::move(input), std::move(done), std::move(cancelled));
 }

@@ -2,6 +2,7 @@
 // what each worker is sent, how jobs move through their states, how results come
 // back and are assembled, and what is refused.
 #include "coordinator/coordinator_test_fixture.h"
+#include "proto/job_state.h"
 
 namespace pippy::coordinator {
 namespace {
@@ -234,22 +235,22 @@ TEST_F(CoordinatorTest, Cancel_EndsTheJob_AndFreesWorkersWhenTheyReport) {
   EXPECT_FALSE(std::filesystem::exists(dir));
 }
 
-TEST_F(CoordinatorTest, BadSubmissions_AreRefusedNamingTheField_AndLeaveNothingBehind) {
-  Start("refused");
-  AddWorkers(2);
+struct BadCase {
+  std::string name;
+  JobSpec spec;
+  std::string model, data, want;
+};
+
+// Submissions the preparation refuses (2 workers registered), with what the refusal says.
+std::vector<BadCase> BadSubmissions() {
   const std::string model = Slurp(kZoo + "mlp.pt"), data = Slurp(kZoo + "mlp.data.pt");
-  struct Case {
-    std::string name;
-    JobSpec spec;
-    std::string model, data, want;
-  };
   JobSpec unknown_split = MlpSpec(2);
   unknown_split.mutable_split()->set_stages(0);
   unknown_split.mutable_split()->add_split_at("layers.99");
   JobSpec too_many = MlpSpec(3);
   JobSpec no_loss = MlpSpec(2);
   no_loss.clear_loss();
-  std::vector<Case> cases = {
+  return {
       {"empty model", MlpSpec(2), "", data, "model: empty"},
       {"not torchscript", MlpSpec(2), "hello", data, "model: 'model' is not a TorchScript archive"},
       {"no data", MlpSpec(2), model, "", "data: missing"},
@@ -258,7 +259,12 @@ TEST_F(CoordinatorTest, BadSubmissions_AreRefusedNamingTheField_AndLeaveNothingB
       {"more workers than registered", too_many, model, data, "needs 3 workers"},
       {"missing loss", no_loss, model, data, "loss: missing"},
   };
-  for (const Case& c : cases) {
+}
+
+TEST_F(CoordinatorTest, BadSubmissions_AreRefusedNamingTheField_AndLeaveNothingBehind) {
+  Start("refused");
+  AddWorkers(2);
+  for (const BadCase& c : BadSubmissions()) {
     auto id = Submit(c.spec, c.model, c.data);
     ASSERT_FALSE(id.ok()) << c.name;
     EXPECT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument) << c.name << ": " << id.status();
@@ -267,6 +273,41 @@ TEST_F(CoordinatorTest, BadSubmissions_AreRefusedNamingTheField_AndLeaveNothingB
   EXPECT_EQ(coordinator_->ListJobs(ListJobsRequest())->jobs_size(), 0);
   EXPECT_TRUE(std::filesystem::is_empty(state_ + "/uploads"));
   EXPECT_TRUE(std::filesystem::is_empty(state_ + "/jobs"));
+}
+
+// A detached submission is answered with its id once the upload is stored: it is
+// PARTITIONING, then QUEUED (and placed); the same bad submissions as above are then
+// FAILED with the message a synchronous submission is refused with, files removed.
+TEST_F(CoordinatorTest, DetachedSubmissions_AnswerAfterTheUpload_ThenQueueOrFailWithTheRefusalsMessage) {
+  Start("detached");
+  auto workers = AddWorkers(2);
+  auto id = Submit(MlpSpec(2), Slurp(kZoo + "mlp.pt"), Slurp(kZoo + "mlp.data.pt"), "ann", /*detach=*/true);
+  ASSERT_TRUE(id.ok()) << id.status();
+  Job placed = WaitForState(*id, PLACING);
+  ASSERT_EQ(placed.state(), PLACING);
+  EXPECT_EQ(placed.user(), "ann");
+  EXPECT_EQ(placed.plan().stages_size(), 2);
+  EXPECT_EQ(placed.num_stages(), 2);
+  EXPECT_EQ(placed.stage_file_bytes_size(), 2);
+  ASSERT_GE(placed.history_size(), 1);
+  EXPECT_THAT(placed.history(0).message(), HasSubstr("being prepared"));
+  for (auto& w : workers) EXPECT_TRUE(Collect(w->WaitFor(AssignmentArrived)).complete);
+  ASSERT_TRUE(coordinator_->CancelJob(*id).ok());
+
+  Start("detached_refused");
+  AddWorkers(2);
+  for (const BadCase& c : BadSubmissions()) {
+    auto refused = Submit(c.spec, c.model, c.data);
+    ASSERT_FALSE(refused.ok()) << c.name;
+    auto detached = Submit(c.spec, c.model, c.data, "", /*detach=*/true);
+    ASSERT_TRUE(detached.ok()) << c.name << ": " << detached.status();
+    Job failed = WaitForJob(*detached, [](const Job& j) { return IsTerminal(j.state()); });
+    EXPECT_EQ(failed.state(), FAILED) << c.name;
+    EXPECT_EQ(failed.reason(), refused.status().message()) << c.name;
+    EXPECT_THAT(failed.reason(), HasSubstr(c.want)) << c.name;
+    EXPECT_FALSE(std::filesystem::exists(absl::StrCat(state_, "/jobs/", *detached))) << c.name;
+  }
+  EXPECT_TRUE(std::filesystem::is_empty(state_ + "/uploads"));
 }
 
 }  // namespace

@@ -185,7 +185,7 @@ class CoordinatorTest : public ::testing::Test {
   }
 
   absl::StatusOr<std::string> Submit(const JobSpec& spec, const std::string& model_bytes, const std::string& data_bytes,
-                                     const std::string& user = "") {
+                                     const std::string& user = "", bool detach = false) {
     auto upload = coordinator_->NewUpload();
     if (!upload.ok()) return upload.status();
     for (size_t off = 0; off < model_bytes.size(); off += 1000) {
@@ -196,7 +196,7 @@ class CoordinatorTest : public ::testing::Test {
       absl::Status s = (*upload)->AppendData(data_bytes);
       if (!s.ok()) return s;
     }
-    return coordinator_->SubmitJob(spec, std::move(*upload), user);
+    return coordinator_->SubmitJob(spec, std::move(*upload), user, nullptr, detach);
   }
 
   // Waits (at most 60 s) until `done(job)` holds; returns the job as last seen.

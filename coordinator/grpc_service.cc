@@ -136,6 +136,7 @@ grpc::Status CoordinatorGrpc::SubmitJob(grpc::ServerContext* context, grpc::Serv
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "spec: the first message of SubmitJob must be the job spec");
   }
   JobSpec spec = req.spec();
+  const bool detach = req.detach();
   auto stream = TakeStream("SubmitJob");
   if (!stream.ok()) return ToGrpc(stream.status());
   // The chunks go to disk as they arrive: no copy of the model is held here.
@@ -179,7 +180,7 @@ grpc::Status CoordinatorGrpc::SubmitJob(grpc::ServerContext* context, grpc::Serv
   log::Info("received a submission: model {} bytes, data {} bytes in {}", (*upload)->model_bytes(),
             (*upload)->data_bytes(), absl::FormatDuration(absl::Now() - start));
   std::vector<std::string> notices;
-  auto id = logic_->SubmitJob(spec, std::move(*upload), *user, &notices);
+  auto id = logic_->SubmitJob(spec, std::move(*upload), *user, &notices, detach);
   if (!id.ok()) return ToGrpc(id.status());
   response->set_job_id(*id);
   for (std::string& n : notices) response->add_notices(std::move(n));

@@ -32,17 +32,41 @@ std::shared_ptr<ServingQueue> MakeServingQueue(const Job& job) {
 
 }  // namespace
 
-JobRun::JobRun(Stores stores, Job job, JobLayout layout)
-    : stores_(stores), job_(std::move(job)), layout_(std::move(layout)) {
+JobRun::JobRun(Stores stores, Job job, JobLayout layout) : stores_(stores), job_(std::move(job)) {
+  SetLayout(std::move(layout));
+  if (job_.losses_size() > 0) job_.set_last_loss(job_.losses(job_.losses_size() - 1));
+  // A job being prepared has no plan yet: its queue comes with it (Prepared).
+  if (job_.spec().has_serving() && !IsTerminal(job_.state()) && job_.plan().stages_size() > 0) {
+    serving_ = MakeServingQueue(job_);
+  }
+}
+
+void JobRun::SetLayout(JobLayout layout) {
+  layout_ = std::move(layout);
+  rank_memory_.clear();
   for (int g = 0; g < ranks(); ++g) rank_memory_.push_back(layout_.ranks(g % ranks_per_replica()).memory_bytes());
   job_.set_num_stages(job_.plan().stages_size());  // records of older coordinators lack it
-  if (job_.losses_size() > 0) job_.set_last_loss(job_.losses(job_.losses_size() - 1));
-  if (job_.spec().has_serving() && !IsTerminal(job_.state())) serving_ = MakeServingQueue(job_);
 }
 
 JobRun::JobRun(Stores stores, Job job, JobLayout layout, std::vector<int64_t> share_bytes,
                std::vector<int64_t> stage_bytes)
-    : JobRun(stores, std::move(job), std::move(layout)) {
+    : JobRun(stores, std::move(job), JobLayout()) {
+  Prepared(job_.spec(), job_.plan(), std::move(layout), std::move(share_bytes), std::move(stage_bytes));
+}
+
+std::unique_ptr<JobRun> JobRun::Preparing(Stores stores, Job job) {
+  job.set_state(PARTITIONING);
+  std::unique_ptr<JobRun> run(new JobRun(stores, std::move(job), JobLayout()));
+  run->Touch();
+  return run;
+}
+
+void JobRun::Prepared(JobSpec spec, PipelinePlan plan, JobLayout layout, std::vector<int64_t> share_bytes,
+                      std::vector<int64_t> stage_bytes) {
+  *job_.mutable_spec() = std::move(spec);
+  *job_.mutable_plan() = std::move(plan);
+  SetLayout(std::move(layout));
+  if (job_.spec().has_serving() && serving_ == nullptr) serving_ = MakeServingQueue(job_);
   share_bytes_ = std::move(share_bytes);
   stage_files_ready_ = true;
   job_.set_state(QUEUED);
@@ -83,7 +107,12 @@ std::unique_ptr<JobRun> JobRun::Restore(Stores stores, const Job& record, absl::
   run->stage_files_ready_ = stage_files;
   const std::string was = JobState_Name(record.state());
   std::string failed;
-  if (!layout.ok()) {
+  if (record.state() == PARTITIONING && ArtifactStore::FileSize(files.JobDir(id) + "/model.pt") > 0) {
+    // A detached submission the coordinator stopped preparing: its upload is whole (it
+    // was moved to the job's folder only once complete); prepared again.
+    *restored = Restored::kPreparing;
+    run->AddEvent("the coordinator restarted while preparing the job; preparing it again");
+  } else if (!layout.ok()) {
     failed = absl::StrCat("the coordinator restarted and the job's layout is not in its records (",
                           layout.status().message(), ")");
   } else if (record.state() == QUEUED) {

@@ -3,9 +3,9 @@
 // worker, and its end. The Coordinator (coordinator.h) keeps the registry of workers,
 // the queue and the dispatch, and hands each job's events to its JobRun.
 //
-//   QUEUED (stage files written) -> PLACING -> RUNNING | SERVING -> SUCCEEDED
+//   [PARTITIONING ->] QUEUED (stage files written) -> PLACING -> RUNNING | SERVING -> SUCCEEDED
 //                                    any state -> FAILED | CANCELLED
-//   (PARTITIONING: records of coordinators before stages were prepared in a child)
+//   (PARTITIONING: a detached submission being prepared; it has no layout until then)
 //   a worker lost: PLACING | RUNNING | SERVING -> RECOVERING -> PLACING (attempt + 1),
 //   restarting from the last committed checkpoint.
 //
@@ -60,12 +60,20 @@ class JobRun {
   // Saves the record and the layout.
   JobRun(Stores stores, Job job, JobLayout layout, std::vector<int64_t> share_bytes,
          std::vector<int64_t> stage_bytes);
+  // A detached submission whose upload is in its job folder: PARTITIONING, without a
+  // plan or layout until Prepared. Saves the record.
+  static std::unique_ptr<JobRun> Preparing(Stores stores, Job job);
+  // Its preparation is done (spec checked, plan, layout, files written): QUEUED, as the
+  // constructor above makes a job. Saves the record and the layout.
+  void Prepared(JobSpec spec, PipelinePlan plan, JobLayout layout, std::vector<int64_t> share_bytes,
+                std::vector<int64_t> stage_bytes);
 
   // A record found at start-up, with its stored layout: a finished job as it is; a
   // queued one queued again (if its stage files are whole); a placed, running or
-  // recovering one RECOVERING from its last complete checkpoint; else FAILED, saying
-  // why (stage files or checkpoint incomplete, stages only in memory, no layout).
-  enum class Restored { kEnded, kQueued, kRecovering };
+  // recovering one RECOVERING from its last complete checkpoint; a detached submission
+  // whose model is on disk PARTITIONING again (the caller prepares it); else FAILED,
+  // saying why (stage files or checkpoint incomplete, stages only in memory, no layout).
+  enum class Restored { kEnded, kQueued, kRecovering, kPreparing };
   static std::unique_ptr<JobRun> Restore(Stores stores, const Job& record, absl::StatusOr<JobLayout> layout,
                                          Restored* restored);
 
@@ -136,6 +144,9 @@ class JobRun {
   // The coordinator stops: the attempt's file senders stop (the record stays as it is,
   // for a restart to resume).
   void StopSenders() { stop_->store(true); }
+  // Set when the job ends (and when the coordinator stops): what a detached
+  // preparation polls to stop its child.
+  std::shared_ptr<const std::atomic<bool>> StopFlag() const { return stop_; }
   // The result is in place (FetchModel can serve it): SUCCEEDED.
   void Succeed();
   bool CanRestart() const;
@@ -150,6 +161,8 @@ class JobRun {
 
  private:
   JobRun(Stores stores, Job job, JobLayout layout);
+  // The layout and what follows from it (each rank's memory, the stage count).
+  void SetLayout(JobLayout layout);
   // Saves the record; bumps the version WaitForChange watches.
   void Touch();
   void StartServing();

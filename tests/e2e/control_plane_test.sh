@@ -4,6 +4,9 @@
 # and a heap cap; hostile models: hostile_test.sh). A normal job trains and is
 # fetched; the coordinator's own peak memory stays below a 384 MiB model it trained;
 # pippyctl list pages and filters, pippyctl delete removes an ended job's files;
+# submit --detach answers after the upload, the job PARTITIONING while it is prepared,
+# then FAILED (a hanging model, a refusal) or trained, cancellable meanwhile, and
+# prepared again by a restarted coordinator;
 # SIGTERM during a hanging preparation stops the coordinator and its child within 2 s;
 # a coordinator capped at 900 MiB of heap trains and fetches a 1 GiB model.
 set -u
@@ -86,13 +89,79 @@ else
   bad "list/delete: newest '$newest', succeeded '$succeeded', delete exit $deleted ($(cat "$TMP/delete.out")), files: $(ls "$TMP/state/models" "$TMP/state/jobs" 2>&1 | tr '\n' ' ')"
 fi
 
+# 3c. Detached submissions (--detach): the id comes once the upload is stored. A hanging
+#     model is PARTITIONING, then FAILED by the probe deadline (3 s) while a normal
+#     detached job queued behind it trains; a refusal found by the preparation is the
+#     job's FAILED reason (the message pippyctl prints without --detach); a cancel during
+#     the preparation stops its child and removes the job's files.
+job_field() {  # ID FIELD: one field of the job's record ("" if absent)
+  ctl status "$1" --output json 2>/dev/null | /usr/bin/python3 -c "import json,sys; print(json.load(sys.stdin).get('$2', ''))"
+}
+wait_ended() {  # ID SECONDS: the state it ended in, or the last one seen
+  local s=""
+  for _ in $(seq $(($2 * 10))); do
+    s=$(job_field "$1" state)
+    case "$s" in SUCCEEDED|FAILED|CANCELLED) break ;; esac
+    sleep 0.1
+  done
+  echo "$s"
+}
+t0=$(date +%s%N)
+hang_id=$(ctl submit "$TMP/hang.pt" --data "$TMP/small.data.pt" "${SPEC[@]}" --detach 2> "$TMP/detach.err")
+ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+hang_state=$(job_field "$hang_id" state)
+child=$(preparing_child)
+mlp_id=$(ctl submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" "${SPEC[@]}" --detach 2>> "$TMP/detach.err")
+mlp_state=$(job_field "$mlp_id" state)
+hang_end=$(wait_ended "$hang_id" 30)
+hang_reason=$(job_field "$hang_id" reason)
+mlp_end=$(wait_ended "$mlp_id" 60)
+if [ -n "$hang_id" ] && [ "$hang_state" = PARTITIONING ] && [ -n "$child" ] && [ "$mlp_state" = PARTITIONING ] &&
+   [ "$hang_end" = FAILED ] && [[ "$hang_reason" == *"did not finish within 3s (--probe-timeout-s)"* ]] &&
+   [ "$mlp_end" = SUCCEEDED ] && [ ! -e "$TMP/state/jobs/$hang_id" ]; then
+  ok "submit --detach answered $hang_id in $ms ms while it was PARTITIONING; it FAILED by the probe deadline; $mlp_id, detached behind it, SUCCEEDED"
+else
+  bad "detached: $hang_id '$hang_state' -> '$hang_end' ($hang_reason), child '$child', $mlp_id '$mlp_state' -> '$mlp_end' ($(cat "$TMP/detach.err"))"
+fi
+SPEC3=(--stages 3 --schedule gpipe --microbatches 2 --batch-size 8 --steps 2 --loss mse --optimizer sgd)
+ctl submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" "${SPEC3[@]}" > /dev/null 2> "$TMP/sync_refused.err"
+sync_rc=$?
+refused_id=$(ctl submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" "${SPEC3[@]}" --detach 2>> "$TMP/detach.err")
+refused_end=$(wait_ended "$refused_id" 30)
+refused_reason=$(job_field "$refused_id" reason)
+if [ "$sync_rc" = 2 ] && grep -q "needs 3 workers" "$TMP/sync_refused.err" && [ "$refused_end" = FAILED ] &&
+   [[ "$refused_reason" == *"needs 3 workers"*"only 2 are registered"* ]]; then
+  ok "a refusal: exit 2 without --detach, FAILED with it: $refused_reason"
+else
+  bad "detached refusal: sync exit $sync_rc ($(cat "$TMP/sync_refused.err")), $refused_id '$refused_end' ($refused_reason)"
+fi
+cancel_id=$(ctl submit "$TMP/hang.pt" --data "$TMP/small.data.pt" "${SPEC[@]}" --detach 2>> "$TMP/detach.err")
+child=$(preparing_child)
+ctl cancel "$cancel_id" > /dev/null 2>&1
+gone_ms=""
+for i in $(seq 40); do
+  if [ -n "$child" ] && { [ ! -e "/proc/$child" ] || grep -q "^State:.*Z" "/proc/$child/status" 2>/dev/null; }; then
+    gone_ms=$((i * 50)); break
+  fi
+  sleep 0.05
+done
+cancel_end=$(job_field "$cancel_id" state)
+if [ -n "$child" ] && [ -n "$gone_ms" ] && [ "$cancel_end" = CANCELLED ] && [ ! -e "$TMP/state/jobs/$cancel_id" ]; then
+  ok "cancel during the preparation: $cancel_id CANCELLED, its child gone within $gone_ms ms, its files removed"
+else
+  bad "cancel while PARTITIONING: child '$child' gone '$gone_ms', state '$cancel_end', files: $(ls "$TMP/state/jobs/$cancel_id" 2>&1)"
+fi
+
 # 4. SIGTERM while a child prepares a hanging model: the coordinator and the child stop
-#    within 2 s (a zombie counts as stopped: the test's shell reaps it after).
+#    within 2 s (a zombie counts as stopped: the test's shell reaps it after). A detached
+#    submission waiting behind it stays PARTITIONING in the records, and the restarted
+#    coordinator prepares it again from its stored upload.
 kill "$coord_pid"; wait "$coord_pid" 2>/dev/null
 start_coordinator "$PORT" --probe-timeout-s 120
 ctl submit "$TMP/hang.pt" --data "$TMP/small.data.pt" "${SPEC[@]}" > "$TMP/hang2.out" 2>&1 &
 submit=$!
 child=$(preparing_child)
+behind_id=$(ctl submit "$TMP/hang.pt" --data "$TMP/small.data.pt" "${SPEC[@]}" --detach 2>> "$TMP/detach.err")
 sleep 1  # into the forward
 gone() { [ ! -e "/proc/$1" ] || grep -q "^State:.*Z" "/proc/$1/status" 2>/dev/null; }
 kill -TERM "$coord_pid"
@@ -108,6 +177,17 @@ if [ -n "$child" ] && [ -n "$stopped" ] && [ "$rc" != 0 ]; then
 else
   bad "SIGTERM: child '$child', stopped '${stopped}', submit exit $rc ($(cat "$TMP/hang2.out")); $(tail -3 "$TMP/coordinator.log")"
 fi
+start_coordinator "$PORT" --probe-timeout-s 3
+behind_end=$(wait_ended "$behind_id" 30)
+behind_reason=$(job_field "$behind_id" reason)
+again=$(ctl status "$behind_id" 2>/dev/null | grep -c "preparing it again")
+if [ -n "$behind_id" ] && [ "$behind_end" = FAILED ] && [[ "$behind_reason" == *"did not finish within 3s"* ]] &&
+   [ "$again" -ge 1 ]; then
+  ok "restarted: the detached $behind_id was prepared again from its stored upload (and refused by the new 3 s probe deadline)"
+else
+  bad "restart while PARTITIONING: $behind_id '$behind_end' ($behind_reason), 'preparing it again' lines: $again"
+fi
+kill "$coord_pid"; wait "$coord_pid" 2>/dev/null
 
 # 5. A coordinator whose heap (and its children's: RLIMIT_DATA is inherited) is capped
 #    at 900 MiB splits, trains and fetches a 1 GiB model: its children read one stage's

@@ -208,11 +208,11 @@ class Client:
     def __exit__(self, *exc):
         self.close()
 
-    def _submit_spec(self, job_spec, model_path, data_path):
+    def _submit_spec(self, job_spec, model_path, data_path, detach=False):
         """SubmitJob: the spec, then the model and the data file (if any) in chunks."""
 
         def requests():
-            yield coordinator_pb2.SubmitJobRequest(spec=job_spec)
+            yield coordinator_pb2.SubmitJobRequest(spec=job_spec, detach=detach)
             for path, field in ((model_path, "model_chunk"), (data_path, "data_chunk")):
                 if not path:
                     continue
@@ -229,15 +229,18 @@ class Client:
             warnings.warn(f"pippy: {notice}", stacklevel=3)
         return resp.job_id
 
-    def submit(self, model_path, data_path=None, **spec):
+    def submit(self, model_path, data_path=None, detach=False, **spec):
         """Uploads the model (and data) in chunks; returns the job id. Keyword arguments
-        are pippyctl submit's flags (stages=, schedule=, microbatches=, batch_size=, ...)."""
+        are pippyctl submit's flags (stages=, schedule=, microbatches=, batch_size=, ...).
+        detach=True (pippyctl submit --detach): returns once the upload is stored; the
+        job is PARTITIONING while the coordinator prepares it, and a refusal shows as
+        FAILED with its reason (status(), watch()) instead of raising here."""
         _check_arguments(make_spec, "submit", spec)
         missing = [k for k in ("schedule", "microbatches", "batch_size") if k not in spec]
         if missing:
             raise PippyError(grpc.StatusCode.INVALID_ARGUMENT, f"submit: give {', '.join(missing)}")
         job_spec = make_spec(model_path, data_path, **spec)
-        return self._submit_spec(job_spec, model_path, data_path)
+        return self._submit_spec(job_spec, model_path, data_path, detach)
 
     def serve(self, model_path, example=None, **options):
         """Starts a serving job (pippyctl serve): the model split into stages that stay
