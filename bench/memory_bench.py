@@ -253,6 +253,13 @@ torch.jit.script(torch.nn.Sequential(*layers[:2 * ({a.layers} // {a.workers})]))
     print(f"PLACING -> RUNNING {placing:.1f} s ({a.workers} workers at once) against the largest stage "
           f"({largest_stage / MB:.0f} MiB) sent alone to one worker {alone_s:.1f} s: {placing / max(alone_s, 1e-9):.2f}x "
           f"(target 1.5x); cp of that many bytes {cp_stage_s:.1f} s; fetch {fetch['seconds']:.1f} s")
+    # Each placement keeps a core busy (the coordinator reading and sending, the worker
+    # receiving and loading): with more workers than cores on one host, the cores bound
+    # how many go at once, so W stages cannot be placed in less than W / cores x alone.
+    cores = os.cpu_count() or 1
+    bound = alone_s * max(1.0, a.workers / cores)
+    print(f"  with {a.workers} workers and the coordinator on {cores} cores, at best {bound:.1f} s "
+          f"(alone x max(1, workers / cores)): {placing / max(bound, 1e-9):.2f}x that")
     print(f"state first seen (s after submit returned): " +
           ", ".join(f"{s} {t:.1f}" for s, t in sorted(seen.items(), key=lambda x: x[1])))
     # The fetched file is a TorchScript archive PyTorch opens (zip64 past 2 GiB), with

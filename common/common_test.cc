@@ -1,9 +1,11 @@
 #include <fstream>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "common/device.h"
+#include "common/file_writer.h"
 #include "common/liveness.h"
 #include "common/log.h"
 #include "common/memory.h"
@@ -52,6 +54,51 @@ TEST(Memory, TakePeakResidentBytes_SeesWhatWasTouchedSinceTheLastReading) {
   EXPECT_GE(peak, before + static_cast<int64_t>(kBytes) * 9 / 10) << "before " << before;
   const int64_t next = TakePeakResidentBytes();
   EXPECT_LT(next, peak - static_cast<int64_t>(kBytes) / 2) << "the peak did not start again";
+}
+
+// A stream appended in uneven pieces across several write-back windows reads back byte
+// for byte; reopening truncates; failures name the file.
+TEST(FileWriter, WritesAcrossWindows_ReopenTruncates_ErrorsNameTheFile) {
+  const std::string path = std::string(getenv("TEST_TMPDIR") ? getenv("TEST_TMPDIR") : "/tmp") + "/fw.bin";
+  std::string expected;
+  {
+    FileWriter w;
+    ASSERT_TRUE(w.Open(path).ok());
+    uint32_t x = 12345;
+    for (size_t piece = 1; expected.size() < 2 * FileWriter::kWindow + 4321; piece = piece * 7 % 3000001 + 1) {
+      std::string bytes(piece, '\0');
+      for (char& c : bytes) c = static_cast<char>((x = x * 1664525u + 1013904223u) >> 24);
+      ASSERT_TRUE(w.Append(bytes).ok());
+      expected += bytes;
+    }
+    EXPECT_EQ(w.bytes(), static_cast<int64_t>(expected.size()));
+    ASSERT_TRUE(w.Close().ok());
+    EXPECT_FALSE(w.is_open());
+  }
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream read;
+  read << in.rdbuf();
+  EXPECT_TRUE(read.str() == expected) << "read " << read.str().size() << " bytes of " << expected.size();
+
+  FileWriter again;
+  ASSERT_TRUE(again.Open(path).ok());
+  ASSERT_TRUE(again.Append("short").ok());
+  ASSERT_TRUE(again.Close(/*sync=*/false).ok());
+  std::ifstream in2(path, std::ios::binary);
+  std::string back((std::istreambuf_iterator<char>(in2)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(back, "short");
+
+  FileWriter missing;
+  const absl::Status open = missing.Open("/nonexistent-dir/x.bin");
+  EXPECT_EQ(open.code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(open.message().find("/nonexistent-dir/x.bin"), std::string::npos) << open;
+  EXPECT_EQ(missing.Append("x").code(), absl::StatusCode::kFailedPrecondition);
+
+  FileWriter full;  // every write to /dev/full fails with ENOSPC
+  ASSERT_TRUE(full.Open("/dev/full").ok());
+  const absl::Status append = full.Append("x");
+  EXPECT_EQ(append.code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(append.message().find("/dev/full"), std::string::npos) << append;
 }
 
 TEST(Device, ParseResolveAndCheck) {

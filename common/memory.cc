@@ -1,6 +1,9 @@
 #include "common/memory.h"
 
 #include <malloc.h>
+#include <unistd.h>
+
+#include <cstdlib>
 
 #include <fstream>
 #include <sstream>
@@ -17,6 +20,26 @@ void KeepFreedMemoryForStreams(int max_arenas) {
   if (max_arenas > 0) mallopt(M_ARENA_MAX, max_arenas);
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_TRIM_THRESHOLD, 32 << 20);
+}
+
+void UseTransparentHugePages(char** argv) {
+  const char* tunables = std::getenv("GLIBC_TUNABLES");
+  std::string t = tunables == nullptr ? "" : tunables;
+  if (t.find("glibc.malloc.hugetlb") != std::string::npos) return;
+  const char* wanted = std::getenv("PIPPY_HUGE_PAGES");
+  if (wanted != nullptr && std::string(wanted) == "0") return;
+  std::string mode;
+  std::getline(std::ifstream("/sys/kernel/mm/transparent_hugepage/enabled"), mode);
+  if (mode.find("[madvise]") == std::string::npos && mode.find("[always]") == std::string::npos) return;
+  const std::string set = t.empty() ? "glibc.malloc.hugetlb=1" : t + ":glibc.malloc.hugetlb=1";
+  if (setenv("GLIBC_TUNABLES", set.c_str(), 1) != 0) return;
+  execv("/proc/self/exe", argv);
+  // Not executed again (no /proc?): go on with 4 KiB pages.
+  if (tunables == nullptr) {
+    unsetenv("GLIBC_TUNABLES");
+  } else {
+    setenv("GLIBC_TUNABLES", tunables, 1);
+  }
 }
 
 void ReturnFreedMemory() { malloc_trim(0); }

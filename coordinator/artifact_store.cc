@@ -7,53 +7,42 @@
 #include <cstring>
 
 #include <filesystem>
+#include <fstream>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "common/status.h"
 
 namespace pippy::coordinator {
 namespace fs = std::filesystem;
 
 Upload::~Upload() {
-  model_.close();
-  data_.close();
+  model_.Close(/*sync=*/false).IgnoreError();
+  data_.Close(/*sync=*/false).IgnoreError();
   if (!accepted_) {
     std::error_code ec;
     fs::remove_all(dir_, ec);
   }
 }
 
-absl::Status Upload::Append(std::ofstream& out, const std::string& path, absl::string_view chunk, int64_t* total) {
+absl::Status Upload::Append(FileWriter& out, const std::string& path, absl::string_view chunk) {
   if (!out.is_open()) {
-    out.open(path, std::ios::binary | std::ios::trunc);
-    if (!out) return absl::UnavailableError(absl::StrCat("cannot write '", path, "' (is the state directory writable?)"));
+    absl::Status s = out.Open(path);
+    if (!s.ok()) return absl::UnavailableError(absl::StrCat(s.message(), " (is the state directory writable?)"));
   }
-  out.write(chunk.data(), static_cast<std::streamsize>(chunk.size()));
-  if (!out) return absl::UnavailableError(absl::StrCat("writing '", path, "' failed (disk full?)"));
-  *total += static_cast<int64_t>(chunk.size());
-  return absl::OkStatus();
+  return out.Append(chunk);
 }
 
-absl::Status Upload::AppendModel(absl::string_view chunk) { return Append(model_, model_path(), chunk, &model_bytes_); }
-absl::Status Upload::AppendData(absl::string_view chunk) { return Append(data_, data_path(), chunk, &data_bytes_); }
+absl::Status Upload::AppendModel(absl::string_view chunk) { return Append(model_, model_path(), chunk); }
+absl::Status Upload::AppendData(absl::string_view chunk) { return Append(data_, data_path(), chunk); }
 
 absl::Status Upload::Close() {
-  for (auto* f : {&model_, &data_}) {
-    if (!f->is_open()) continue;
-    f->flush();
-    const bool ok = static_cast<bool>(*f);
-    f->close();
-    if (!ok) return absl::UnavailableError(absl::StrCat("writing the upload in '", dir_, "' failed (disk full?)"));
-    // On disk before the job is accepted: a job whose record survives a crash has its
-    // model too (a restart prepares a detached submission again from it).
-    const std::string path = f == &model_ ? model_path() : data_path();
-    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    const bool synced = fd >= 0 && fsync(fd) == 0;
-    if (fd >= 0) close(fd);
-    if (!synced) return absl::UnavailableError(absl::StrCat("syncing '", path, "' failed: ", strerror(errno)));
-  }
-  return absl::OkStatus();
+  // On disk before the job is accepted: a job whose record survives a crash has its
+  // model too (a restart prepares a detached submission again from it).
+  absl::Status s = model_.Close();
+  absl::Status d = data_.Close();
+  return s.ok() ? d : s;
 }
 
 absl::StatusOr<std::unique_ptr<ArtifactStore>> ArtifactStore::Open(const std::string& state_dir) {
@@ -108,20 +97,17 @@ absl::Status ArtifactStore::AppendResult(const std::string& job_id, int stage, a
   if (it == open_.end()) {
     if (!fs::exists(JobDir(job_id))) return absl::OkStatus();  // the job ended meanwhile
     OpenResult r;
-    r.path = ResultPath(job_id, stage);
-    r.out.open(r.path, std::ios::binary | std::ios::trunc);
-    if (!r.out) return absl::UnavailableError(absl::StrCat("cannot write '", r.path, "'"));
+    r.out = std::make_unique<FileWriter>();
+    PIPPY_RETURN_IF_ERROR(r.out->Open(ResultPath(job_id, stage)));
     it = open_.emplace(key, std::move(r)).first;
     complete_[job_id][stage] = false;
   }
-  it->second.out.write(chunk.data(), static_cast<std::streamsize>(chunk.size()));
-  bool ok = static_cast<bool>(it->second.out);
-  if (last || !ok) {
-    it->second.out.close();
-    ok = ok && !it->second.out.fail();
-    const std::string path = it->second.path;
+  absl::Status s = it->second.out->Append(chunk);
+  // Not synced: an intermediate that the merge reads next (into the file fetch serves).
+  if (s.ok() && last) s = it->second.out->Close(/*sync=*/false);
+  if (last || !s.ok()) {
     open_.erase(it);
-    if (!ok) return absl::UnavailableError(absl::StrCat("writing '", path, "' failed (disk full?)"));
+    PIPPY_RETURN_IF_ERROR(s);
     complete_[job_id][stage] = true;
   }
   return absl::OkStatus();
@@ -179,26 +165,14 @@ absl::StatusOr<bool> ArtifactStore::AppendCheckpoint(const std::string& job_id, 
     if (!fs::exists(JobDir(job_id))) return false;  // the job ended meanwhile
     std::error_code ec;
     fs::create_directories(CheckpointDir(job_id, step), ec);
-    const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) return absl::UnavailableError(absl::StrCat("cannot write '", tmp, "': ", strerror(errno)));
-    it = open_checkpoints_.emplace(path, std::make_pair(job_id, fd)).first;
+    auto file = std::make_unique<FileWriter>();
+    PIPPY_RETURN_IF_ERROR(file->Open(tmp));
+    it = open_checkpoints_.emplace(path, std::make_pair(job_id, std::move(file))).first;
   }
-  const int fd = it->second.second;
-  absl::Status s;
-  for (size_t done = 0; done < chunk.size();) {
-    const ssize_t n = write(fd, chunk.data() + done, chunk.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      s = absl::UnavailableError(absl::StrCat("writing '", tmp, "' failed: ", strerror(errno)));
-      break;
-    }
-    done += static_cast<size_t>(n);
-  }
-  if (s.ok() && last && fsync(fd) != 0) s = absl::UnavailableError(absl::StrCat("fsync '", tmp, "': ", strerror(errno)));
-  if (!s.ok() || last) {
-    close(fd);
-    open_checkpoints_.erase(it);
-  }
+  FileWriter& file = *it->second.second;
+  absl::Status s = file.Append(chunk);
+  if (s.ok() && last) s = file.Close();
+  if (!s.ok() || last) open_checkpoints_.erase(it);  // closes it
   if (!s.ok()) return s;
   if (!last) return false;
   std::error_code ec;
@@ -222,7 +196,6 @@ void ArtifactStore::RemoveCheckpoints(const std::string& job_id, const std::func
     absl::MutexLock lock(&mu_);
     for (auto it = open_checkpoints_.begin(); it != open_checkpoints_.end();) {
       if (it->second.first == job_id && remove(step_of(it->first))) {
-        close(it->second.second);
         it = open_checkpoints_.erase(it);
       } else {
         ++it;
@@ -255,7 +228,6 @@ void ArtifactStore::RemoveJobFiles(const std::string& job_id) {
     complete_.erase(job_id);
     for (auto it = open_checkpoints_.begin(); it != open_checkpoints_.end();) {
       if (it->second.first == job_id) {
-        close(it->second.second);
         it = open_checkpoints_.erase(it);
       } else {
         ++it;

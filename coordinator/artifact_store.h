@@ -21,7 +21,6 @@
 #define PIPPY_COORDINATOR_ARTIFACT_STORE_H_
 
 #include <cstdint>
-#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -31,6 +30,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "common/file_writer.h"
 
 namespace pippy::coordinator {
 
@@ -45,24 +45,23 @@ class Upload {
   // Errors: UNAVAILABLE when the disk write fails (the message names the file).
   absl::Status AppendModel(absl::string_view chunk);
   absl::Status AppendData(absl::string_view chunk);
-  // Flushes, closes and fsyncs both files. Errors: UNAVAILABLE.
+  // Closes and fsyncs both files. Errors: UNAVAILABLE.
   absl::Status Close();
 
   const std::string& dir() const { return dir_; }
   std::string model_path() const { return dir_ + "/model.pt"; }
   std::string data_path() const { return dir_ + "/data.pt"; }  // exists only if data came
-  int64_t model_bytes() const { return model_bytes_; }
-  int64_t data_bytes() const { return data_bytes_; }
+  int64_t model_bytes() const { return model_.bytes(); }
+  int64_t data_bytes() const { return data_.bytes(); }
 
  private:
   friend class ArtifactStore;
   explicit Upload(std::string dir) : dir_(std::move(dir)) {}
-  absl::Status Append(std::ofstream& out, const std::string& path, absl::string_view chunk, int64_t* total);
+  absl::Status Append(FileWriter& out, const std::string& path, absl::string_view chunk);
 
   std::string dir_;
   bool accepted_ = false;
-  std::ofstream model_, data_;
-  int64_t model_bytes_ = 0, data_bytes_ = 0;
+  FileWriter model_, data_;  // written back to disk while the upload arrives
 };
 
 class ArtifactStore {
@@ -143,15 +142,14 @@ class ArtifactStore {
   absl::Mutex mu_;
   int64_t next_upload_ ABSL_GUARDED_BY(mu_) = 0;
   struct OpenResult {
-    std::ofstream out;
-    std::string path;
+    std::unique_ptr<FileWriter> out;
   };
   // (job, stage) -> the result file being written.
   std::map<std::pair<std::string, int>, OpenResult> open_ ABSL_GUARDED_BY(mu_);
   // (job, stage) of results that arrived whole.
   std::map<std::string, std::map<int, bool>> complete_ ABSL_GUARDED_BY(mu_);
-  // Checkpoint pieces being written: final path -> (job, fd of the .tmp file).
-  std::map<std::string, std::pair<std::string, int>> open_checkpoints_ ABSL_GUARDED_BY(mu_);
+  // Checkpoint pieces being written: final path -> (job, its .tmp file).
+  std::map<std::string, std::pair<std::string, std::unique_ptr<FileWriter>>> open_checkpoints_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace pippy::coordinator

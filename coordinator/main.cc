@@ -361,6 +361,7 @@ int Serve(const Flags& f) {
 
 int main(int argc, char** argv) {
   using namespace pippy;
+  UseTransparentHugePages(argv);  // its children load and write stages (memory.h)
   KeepFreedMemoryForStreams(/*max_arenas=*/2);  // uploads, stage files and merged models stream through it (memory.h)
   // The children that prepare a submission and merge a trained model (child_process.h).
   // They end with _Exit once their files are closed: no static destructors (LibTorch's

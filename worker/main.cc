@@ -14,6 +14,7 @@ constexpr char kProgram[] = "pippy-worker";
 
 int main(int argc, char** argv) {
   using namespace pippy;
+  UseTransparentHugePages(argv);  // stages arrive in and load into large buffers (memory.h)
   KeepFreedMemoryForStreams();  // its stages arrive as a stream of chunks (memory.h)
   CLI::App app("Registers with a pippy-coordinator and runs the pipeline ranks it is assigned (one per job at a "
                "time), receiving only its own stages.",

@@ -101,6 +101,7 @@ absl::Status Session::Connect(absl::Duration connect_timeout) {
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 16 << 20);
   PIPPY_ASSIGN_OR_RETURN(auto credentials,
                          tls::ChannelCredentials({options_.tls_ca, options_.tls_cert, options_.tls_key}));
   auto channel = grpc::CreateCustomChannel(options_.coordinator, credentials, args);
