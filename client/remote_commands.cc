@@ -79,6 +79,9 @@ absl::Status InCliWords(const absl::Status& s, const std::string& model, const s
       {"optimizer.beta2", "--beta2"},
       {"optimizer.eps", "--eps"},
       {"optimizer.clip_grad_norm", "--clip-grad-norm"},
+      {"optimizer.lr_schedule", "--lr-schedule"},
+      {"optimizer.warmup_steps", "--warmup-steps"},
+      {"optimizer.min_lr", "--min-lr"},
       {"fault_tolerance.checkpoint_every", "--checkpoint-every"},
       {"fault_tolerance.max_restarts", "--max-restarts"},
       {"fault_tolerance.recovery_timeout_s", "--recovery-timeout-s"},
@@ -160,6 +163,9 @@ void PrintJob(const Job& j) {
             << (j.workers_size() == 1 ? " worker" : " workers") << ", step " << j.step()
             << "/" << j.spec().steps();
   if (j.losses_size() > 0) std::cout << ", loss " << absl::StrFormat("%.4f", j.losses(j.losses_size() - 1));
+  if (j.learning_rates_size() > 0) {
+    std::cout << ", lr " << absl::StrFormat("%.4g", j.learning_rates(j.learning_rates_size() - 1));
+  }
   if (j.samples_per_second() > 0) {
     std::cout << absl::StrFormat(", %.0f samples/s, bubble %.0f%%", j.samples_per_second(), 100 * j.bubble_fraction());
   }
@@ -290,6 +296,7 @@ absl::StatusOr<Job> Watch(Coordinator::Stub* stub, const std::string& job_id, co
         if (e.step() > 0) {
           absl::StrAppend(&line, absl::StrFormat("  loss %.4f  %.0f samples/s  bubble %.0f%%", e.loss(),
                                                  e.samples_per_second(), 100 * e.bubble_fraction()));
+          if (e.lr() > 0) absl::StrAppend(&line, absl::StrFormat("  lr %.3g", e.lr()));
         }
         // Events (a worker lost, a restart) get a line of their own.
         if (!IsTerminal(e.state()) && !e.message().empty() && e.message() != last_message) {
@@ -376,9 +383,9 @@ absl::Status SetPrecision(const std::string& dtype, JobSpec* spec) {
 struct SubmitFlags {
   std::string model, data, synthetic, name, dtype = "fp32";
   SplitFlags split;
-  std::string schedule, loss, optimizer;
-  int microbatches = 0, batch_size = 0, steps = 1, stages_per_worker = 0;
-  double lr = 0.01, momentum = 0, clip = 0;
+  std::string schedule, loss, optimizer, lr_schedule;
+  int microbatches = 0, batch_size = 0, steps = 1, stages_per_worker = 0, warmup_steps = 0;
+  double lr = 0.01, momentum = 0, clip = 0, min_lr = 0;
   std::optional<double> weight_decay, beta1, beta2, eps;
   std::optional<int> checkpoint_every, max_restarts;
   std::optional<double> recovery_timeout_s;
@@ -419,6 +426,13 @@ absl::StatusOr<JobSpec> SpecFrom(const SubmitFlags& f) {
     if (f.beta2) o->set_beta2(*f.beta2);
     if (f.eps) o->set_eps(*f.eps);
     o->set_clip_grad_norm(f.clip);
+    if (!f.lr_schedule.empty()) {
+      auto kind = job::ParseLrSchedule(f.lr_schedule);
+      if (!kind.ok()) return absl::InvalidArgumentError(absl::StrCat("optimizer.lr_schedule: ", kind.status().message()));
+      o->set_lr_schedule(*kind);
+    }
+    o->set_warmup_steps(f.warmup_steps);
+    o->set_min_lr(f.min_lr);
   }
   spec.set_steps(f.steps);
   spec.set_batch_size(f.batch_size);
@@ -544,6 +558,14 @@ void AddSubmit(CLI::App& root, const GlobalFlags& g, int* exit_code) {
   cmd->add_option("--beta2", f->beta2, "adam/adamw (default 0.999)")->check(CLI::Range(0.0, 0.999999));
   cmd->add_option("--eps", f->eps, "adam/adamw (default 1e-8)")->check(cli::Positive());
   cmd->add_option("--clip-grad-norm", f->clip, "clip gradients to this global norm; 0: no clipping")
+      ->check(cli::NonNegative())->capture_default_str();
+  cli::AddNameOption<LrScheduleKind>(cmd, "--lr-schedule", &f->lr_schedule, "lr schedule",
+                                     "how the learning rate changes over the steps, stepped after each optimizer "
+                                     "step as torch.optim.lr_scheduler's (default constant)");
+  cmd->add_option("--warmup-steps", f->warmup_steps,
+                  "ramp the learning rate up linearly over the first W steps, (k + 1) / W x --lr at step k")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  cmd->add_option("--min-lr", f->min_lr, "the learning rate linear and cosine decay to by the last step")
       ->check(cli::NonNegative())->capture_default_str();
   cmd->add_option("--name", f->name, "the job's name (default: the model file's name)");
   cmd->add_option("--seed", f->seed, "seeds each rank's random number generator (seed + rank) and synthetic data")->capture_default_str();

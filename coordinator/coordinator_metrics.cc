@@ -54,6 +54,15 @@ void PeakMemory(const MetricsSnapshot& s, metrics::Exposition& x) {
   }
 }
 
+void LearningRates(const MetricsSnapshot& s, metrics::Exposition& x) {
+  x.Family("pippy_job_learning_rate", "gauge",
+           "The learning rate of the last completed step of an unfinished training job (its lr schedule's)");
+  for (const Job& j : s.jobs) {
+    if (IsTerminal(j.state()) || j.learning_rates_size() == 0) continue;
+    x.Sample("pippy_job_learning_rate", {{"job", j.job_id()}}, j.learning_rates(j.learning_rates_size() - 1));
+  }
+}
+
 void Ages(const MetricsSnapshot& s, metrics::Exposition& x) {
   x.Family("pippy_worker_heartbeat_age_seconds", "gauge", "Time since each worker was last heard from");
   for (const MetricsSnapshot::Worker& w : s.workers) {
@@ -114,6 +123,7 @@ std::string CoordinatorMetrics::Text(const MetricsSnapshot& snapshot) const {
   }
   Ages(snapshot, x);
   PeakMemory(snapshot, x);
+  LearningRates(snapshot, x);
   Serving(snapshot, x);
   return x.text();
 }

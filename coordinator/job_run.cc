@@ -136,6 +136,7 @@ std::unique_ptr<JobRun> JobRun::Restore(Stores stores, const Job& record, absl::
     j.set_attempt(record.attempt() + 1);
     j.set_step(ckpt);
     j.mutable_losses()->Truncate(std::min(j.losses_size(), ckpt));
+    j.mutable_learning_rates()->Truncate(std::min(j.learning_rates_size(), ckpt));
     j.mutable_step_seconds()->Truncate(std::min(j.step_seconds_size(), ckpt));
     j.clear_breakdown();
     run->recover_deadline_ = absl::Now() + absl::Seconds(record.spec().fault_tolerance().recovery_timeout_s());
@@ -164,6 +165,11 @@ Job JobRun::Summary() const {
   Job j = View();
   j.clear_plan();
   j.clear_losses();
+  if (j.learning_rates_size() > 1) {  // the last one only
+    const double last = j.learning_rates(j.learning_rates_size() - 1);
+    j.clear_learning_rates();
+    j.add_learning_rates(last);
+  }
   j.clear_step_seconds();
   j.clear_history();
   j.clear_breakdown();
@@ -360,7 +366,10 @@ std::optional<CompletedStep> JobRun::OnStepReport(const StepReport& report) {
   }
   if (losses > 0) loss /= losses;
   job_.set_step(report.step() + 1);
-  if (job_.spec().mode() == MODE_TRAIN) job_.add_losses(loss);
+  if (job_.spec().mode() == MODE_TRAIN) {
+    job_.add_losses(loss);
+    job_.add_learning_rates(report.lr());  // every rank's optimizer stepped with the same
+  }
   job_.add_step_seconds(done.seconds);
   job_.set_samples_per_second(done.seconds > 0 ? job_.spec().batch_size() / done.seconds : 0);
   job_.set_bubble_fraction(done.seconds > 0 ? std::max(0.0, 1.0 - busy / (ranks() * done.seconds)) : 0);
@@ -470,6 +479,7 @@ void JobRun::Recover(const std::string& what) {
   job_.set_state(RECOVERING);
   job_.set_step(from);
   job_.mutable_losses()->Truncate(std::min(job_.losses_size(), from));
+  job_.mutable_learning_rates()->Truncate(std::min(job_.learning_rates_size(), from));
   job_.mutable_step_seconds()->Truncate(std::min(job_.step_seconds_size(), from));
   job_.clear_breakdown();
   channels_.clear();

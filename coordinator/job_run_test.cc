@@ -89,6 +89,7 @@ class JobRunTest : public ::testing::Test {
     r.set_step(step);
     r.set_step_seconds(seconds);
     r.set_busy_seconds(seconds / 2);
+    r.set_lr(0.001 * (step + 1));  // as a schedule's would change
     if (rank == 1) {
       r.set_has_loss(true);
       r.set_loss(3.0);
@@ -163,9 +164,16 @@ TEST_F(JobRunTest, Place_SendsEachRankItsPiece_AddressesMakeItRunning_StepsAreAg
   const std::string text = CoordinatorMetrics().Text(snapshot);
   EXPECT_THAT(text, HasSubstr("# TYPE pippy_rank_peak_memory_bytes gauge"));
   EXPECT_THAT(text, HasSubstr(absl::StrCat("pippy_rank_peak_memory_bytes{job=\"job-1\",rank=\"0\"} ", 300 << 20)));
+  // The learning rate each step's optimizer used, as the ranks reported it: per step in
+  // the job, the last in summaries, /metrics and the trace of the last step.
+  EXPECT_THAT(run->job().learning_rates(), ElementsAre(0.001, 0.002, 0.003));
+  EXPECT_THAT(run->Summary().learning_rates(), ElementsAre(0.003));
+  EXPECT_THAT(text, HasSubstr("# TYPE pippy_job_learning_rate gauge"));
+  EXPECT_THAT(text, HasSubstr("pippy_job_learning_rate{job=\"job-1\"} 0.003"));
   auto trace = run->Trace(-1, [](int rank) { return absl::StrCat("w", rank); });
   ASSERT_TRUE(trace.ok()) << trace.status();
   EXPECT_EQ(trace->ranks(1).worker(), "w1");
+  EXPECT_EQ(trace->lr(), 0.003);
 }
 
 TEST_F(JobRunTest, LostWorker_RestartsOnce_ThenFails_OldAttemptsMessagesAreNotCurrent) {

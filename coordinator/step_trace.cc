@@ -28,6 +28,7 @@ absl::StatusOr<StepTrace> StepTraces::Get(const std::string& job_id, int step, b
                                             "the last ", kKept, " steps: ", absl::StrJoin(out.available_steps(), ", ")));
   }
   out.set_step(t->first);
+  if (!t->second.empty()) out.set_lr(t->second.begin()->second.lr());
   for (const auto& [rank, r] : t->second) {
     RankTrace* rt = out.add_ranks();
     rt->set_rank(rank);

@@ -44,6 +44,7 @@ StepReport BuildStepReport(const Assignment& a, int step, const stage::StepResul
   r.set_replica(a.replica());
   r.set_has_loss(res.has_loss);
   r.set_loss(res.loss);
+  r.set_lr(res.lr);
   r.set_busy_seconds(res.busy_seconds);
   r.set_step_seconds(res.step_seconds);
   StepBreakdown* bd = r.mutable_breakdown();

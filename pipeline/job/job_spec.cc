@@ -28,6 +28,10 @@ absl::StatusOr<OptimizerKind> ParseOptimizer(absl::string_view name) {
   return names::Parse<OptimizerKind>("optimizer", name);
 }
 std::string OptimizerName(OptimizerKind optimizer) { return names::Name(optimizer); }
+absl::StatusOr<LrScheduleKind> ParseLrSchedule(absl::string_view name) {
+  return names::Parse<LrScheduleKind>("lr schedule", name);
+}
+std::string LrScheduleName(LrScheduleKind kind) { return names::Name(kind); }
 absl::StatusOr<Precision> ParsePrecision(absl::string_view name) { return names::Parse<Precision>("--dtype", name); }
 std::string PrecisionName(Precision precision) {
   return names::Name(precision == PRECISION_UNSPECIFIED ? PRECISION_FP32 : precision);
@@ -168,6 +172,26 @@ absl::Status CheckSpec(JobSpec* spec) {
     if (o->beta2() < 0 || o->beta2() >= 1) return Bad("optimizer.beta2", "must be in [0, 1)");
     if (!(o->eps() > 0)) return Bad("optimizer.eps", "must be > 0");
     if (o->clip_grad_norm() < 0) return Bad("optimizer.clip_grad_norm", "must not be negative (0: no clipping)");
+    if (!LrScheduleKind_IsValid(o->lr_schedule())) return Bad("optimizer.lr_schedule", "use constant, linear or cosine");
+    if (o->lr_schedule() == LR_SCHEDULE_UNSPECIFIED) o->set_lr_schedule(LR_SCHEDULE_CONSTANT);
+    const bool decays = o->lr_schedule() != LR_SCHEDULE_CONSTANT;
+    if (o->warmup_steps() < 0) return Bad("optimizer.warmup_steps", "must not be negative (0: no warm-up)");
+    if (decays && o->warmup_steps() >= spec->steps()) {
+      return Bad("optimizer.warmup_steps", absl::StrCat(o->warmup_steps(), " leaves none of the ", spec->steps(),
+                                                        " steps to decay over; use fewer than steps"));
+    }
+    if (!std::isfinite(o->min_lr()) || o->min_lr() < 0) return Bad("optimizer.min_lr", "must be a finite number >= 0");
+    if (o->min_lr() > o->lr()) {
+      return Bad("optimizer.min_lr", absl::StrCat(o->min_lr(), " is above lr (", o->lr(), "); schedules decay to it"));
+    }
+    if (!decays && o->min_lr() > 0) {
+      return Bad("optimizer.min_lr", "only the linear and cosine schedules decay to a min_lr (set lr_schedule)");
+    }
+  } else {
+    const OptimizerSpec& o = spec->optimizer();
+    if (o.lr_schedule() != LR_SCHEDULE_UNSPECIFIED || o.warmup_steps() != 0 || o.min_lr() != 0) {
+      return Bad("optimizer.lr_schedule", "an inference job has no learning rate; leave out the schedule");
+    }
   }
   FaultToleranceSpec* ft = spec->mutable_fault_tolerance();
   if (!ft->has_checkpoint_every()) ft->set_checkpoint_every(kDefaultCheckpointEvery);

@@ -29,6 +29,8 @@ std::string LossName(LossKind loss);
 // "sgd" | "adam" | "adamw".
 absl::StatusOr<OptimizerKind> ParseOptimizer(absl::string_view name);
 std::string OptimizerName(OptimizerKind optimizer);
+absl::StatusOr<LrScheduleKind> ParseLrSchedule(absl::string_view name);
+std::string LrScheduleName(LrScheduleKind kind);
 
 // "fp32" | "bf16" (pippyctl's --dtype; see Precision in job.proto).
 absl::StatusOr<Precision> ParsePrecision(absl::string_view name);

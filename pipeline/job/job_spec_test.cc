@@ -104,6 +104,25 @@ TEST(CheckSpec, BadFields_AreNamed) {
       {[](JobSpec* s) { s->mutable_optimizer()->clear_kind(); }, "optimizer.kind: missing"},
       {[](JobSpec* s) { s->mutable_optimizer()->set_lr(0); }, "optimizer.lr"},
       {[](JobSpec* s) { s->mutable_optimizer()->set_momentum(0.9); }, "only sgd takes momentum"},
+      {[](JobSpec* s) { s->mutable_optimizer()->set_lr_schedule(static_cast<LrScheduleKind>(9)); },
+       "optimizer.lr_schedule: use constant, linear or cosine"},
+      {[](JobSpec* s) { s->mutable_optimizer()->set_warmup_steps(-1); }, "optimizer.warmup_steps: must not be negative"},
+      {[](JobSpec* s) {
+         s->mutable_optimizer()->set_lr_schedule(LR_SCHEDULE_COSINE);
+         s->mutable_optimizer()->set_warmup_steps(3);
+       },
+       "optimizer.warmup_steps: 3 leaves none of the 3 steps to decay over"},
+      {[](JobSpec* s) {
+         s->mutable_optimizer()->set_lr_schedule(LR_SCHEDULE_LINEAR);
+         s->mutable_optimizer()->set_min_lr(0.01);
+       },
+       "optimizer.min_lr: 0.01 is above lr (0.001)"},
+      {[](JobSpec* s) { s->mutable_optimizer()->set_min_lr(1e-4); }, "only the linear and cosine schedules decay"},
+      {[](JobSpec* s) {
+         s->mutable_optimizer()->set_lr_schedule(LR_SCHEDULE_COSINE);
+         s->mutable_optimizer()->set_min_lr(std::nan(""));
+       },
+       "optimizer.min_lr: must be a finite number >= 0"},
       {[](JobSpec* s) { s->mutable_split()->set_stages(0); }, "split: give split.stages or split.split_at"},
       {[](JobSpec* s) { s->set_mode(MODE_INFERENCE); }, "an inference job runs the inference schedule"},
       {[](JobSpec* s) { s->mutable_schedule()->set_kind(SCHEDULE_INFERENCE); s->set_mode(MODE_TRAIN); },
@@ -116,6 +135,24 @@ TEST(CheckSpec, BadFields_AreNamed) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.want;
     EXPECT_THAT(std::string(s.message()), HasSubstr(c.want));
   }
+}
+
+TEST(CheckSpec, LrSchedule_DefaultsToConstant_InferenceTakesNone) {
+  JobSpec spec = TrainSpec();
+  ASSERT_TRUE(CheckSpec(&spec).ok());
+  EXPECT_EQ(spec.optimizer().lr_schedule(), LR_SCHEDULE_CONSTANT);
+  JobSpec cosine = TrainSpec();
+  cosine.mutable_optimizer()->set_lr_schedule(LR_SCHEDULE_COSINE);
+  cosine.mutable_optimizer()->set_warmup_steps(2);
+  cosine.mutable_optimizer()->set_min_lr(1e-4);
+  EXPECT_TRUE(CheckSpec(&cosine).ok()) << CheckSpec(&cosine);
+  JobSpec inference = TrainSpec();
+  inference.mutable_schedule()->set_kind(SCHEDULE_INFERENCE);
+  inference.clear_loss();
+  inference.clear_optimizer();
+  inference.mutable_optimizer()->set_warmup_steps(2);
+  const absl::Status s = CheckSpec(&inference);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("an inference job has no learning rate"));
 }
 
 TEST(CheckSpec, InferenceSchedule_ImpliesInferenceMode_AndNeedsNoOptimizer) {

@@ -9,6 +9,7 @@
 #include "common/torch_status.h"
 #include "pipeline/job/job_plan.h"
 #include "pipeline/job/layout.h"
+#include "pipeline/stage/lr_schedule.h"
 #include "torch/serialize.h"
 
 namespace pippy::job {
@@ -25,6 +26,7 @@ stage::RuntimeOptions RuntimeOptionsFor(const JobSpec& spec, absl::Duration time
   if (o.has_beta2()) ro.optimizer.beta2 = o.beta2();
   if (o.has_eps()) ro.optimizer.eps = o.eps();
   ro.clip_grad_norm = o.clip_grad_norm();
+  if (spec.mode() == MODE_TRAIN) ro.learning_rates = stage::LearningRates(o, spec.steps());
   ro.timeout = timeout;
   if (spec.precision() == PRECISION_BF16) ro.autocast = at::kBFloat16;
   return ro;

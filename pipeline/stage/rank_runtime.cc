@@ -538,6 +538,11 @@ absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10:
     }
     PIPPY_RETURN_IF_ERROR(timed("optimizer step", &bd.optimizer_seconds, [&] {
       return TorchCall("optimizer step", [&] {
+        const double lr = step >= 0 && step < static_cast<int>(options_.learning_rates.size())
+                              ? options_.learning_rates[step]
+                              : options_.optimizer.lr;
+        for (auto& group : optimizer_->param_groups()) group.options().set_lr(lr);
+        result.lr = lr;
         optimizer_->step();
         for (auto& group : optimizer_->param_groups()) {
           for (auto& p : group.params()) p.mutable_grad() = at::Tensor();

@@ -49,6 +49,10 @@ namespace pippy::stage {
 struct RuntimeOptions {
   LossKind loss = LOSS_MSE;        // ignored for inference
   OptimizerOptions optimizer;
+  // The learning rate of each step (lr_schedule.h's LearningRates), set on every
+  // parameter group before that step's optimizer step; a step past its end (or an
+  // empty table) keeps optimizer.lr.
+  std::vector<double> learning_rates;
   double clip_grad_norm = 0;       // 0: no clipping
   absl::Duration timeout = absl::Seconds(60);  // per wait
   std::vector<ChunkSpec> input_chunks;        // per model input (default: dim 0)
@@ -107,6 +111,7 @@ struct StepResult {
   double step_seconds = 0;
   int peak_live_activations = 0;   // micro-batches holding autograd state, all local stages
   double grad_norm = 0;            // global norm before clipping (when clipping)
+  double lr = 0;                   // training: the learning rate the optimizer stepped with
   StepBreakdown breakdown;
   std::vector<TraceEvent> trace;   // in the order they ran
   // Data parallelism: buckets all-reduced, and how many of them started while their

@@ -227,6 +227,42 @@ else
   bad "adamw defaults"; cat "$TMP/adamw.out"
 fi
 
+# Learning-rate schedules (--lr-schedule, --warmup-steps, --min-lr) against torch's
+# schedulers stepped after each optimizer step in a plain PyTorch loop: the learning
+# rate of every step equal (reported by the ranks), the losses and parameters within 1e-5.
+LRS=(--lr-schedule cosine --warmup-steps 5 --min-lr 3e-4)
+if job=$(submit_wait cosine "$ZOO/gpt.pt" --data "$TMP/gpt.data.pt" --microbatches 4 --batch-size 8 --steps 30 \
+           --loss model --optimizer adamw --lr 0.003 "${LRS[@]}" --stages 2 --schedule 1f1b) &&
+   ctl fetch "$job" -o "$TMP/cosine.pt" > /dev/null && ctl status "$job" --output json > "$TMP/cosine.json" &&
+   grep -q "SUCCEEDED step 30/30 .*  lr 0.000311" "$TMP/cosine.out" &&
+   /usr/bin/python3 "$CHECK" "$ZOO/gpt.pt" "$TMP/gpt.data.pt" "$TMP/cosine.pt" --steps 30 --batch-size 8 \
+     --microbatches 4 --loss model --optimizer adamw --lr 0.003 "${LRS[@]}" --tolerance 1e-5 \
+     --losses "$TMP/cosine.json" --loss-tolerance 1e-5 > "$TMP/cosine.check" 2>&1; then
+  ok "cosine schedule with warm-up (1f1b, 2 stages, adamw, 30 steps) equals torch's SequentialLR: $(tr '\n' ' ' < "$TMP/cosine.check" | cut -c1-400)"
+else
+  bad "cosine schedule"; cat "$TMP/cosine.out" "$TMP/cosine.check" 2> /dev/null
+fi
+LRS=(--lr-schedule linear --min-lr 1e-4)
+if job=$(submit_wait linear "$ZOO/gpt.pt" --data "$TMP/gpt.data.pt" --microbatches 4 --batch-size 8 --steps 10 \
+           --loss model --optimizer sgd --momentum 0.9 --lr 0.01 "${LRS[@]}" --stages 4 --schedule zb1p) &&
+   ctl fetch "$job" -o "$TMP/linear.pt" > /dev/null && ctl status "$job" --output json > "$TMP/linear.json" &&
+   /usr/bin/python3 "$CHECK" "$ZOO/gpt.pt" "$TMP/gpt.data.pt" "$TMP/linear.pt" --steps 10 --batch-size 8 \
+     --microbatches 4 --loss model --optimizer sgd --momentum 0.9 --lr 0.01 "${LRS[@]}" --tolerance 1e-5 \
+     --losses "$TMP/linear.json" --loss-tolerance 1e-5 > "$TMP/linear.check" 2>&1; then
+  ok "linear schedule (zb1p, 4 stages, sgd with momentum) equals torch's LinearLR: $(tr '\n' ' ' < "$TMP/linear.check" | cut -c1-300)"
+else
+  bad "linear schedule"; cat "$TMP/linear.out" "$TMP/linear.check" 2> /dev/null
+fi
+# Schedules that cannot be run are refused before anything is uploaded, naming the flag.
+if ! ctl submit "$ZOO/gpt.pt" "${COMMON[@]}" --stages 2 --schedule 1f1b --lr-schedule cosine --warmup-steps 5 \
+       > /dev/null 2> "$TMP/warmup.err" && grep -q -- "--warmup-steps: 5 leaves none of the 5 steps to decay over" "$TMP/warmup.err" &&
+   ! ctl submit "$ZOO/gpt.pt" "${COMMON[@]}" --stages 2 --schedule 1f1b --lr-schedule exponential \
+       > /dev/null 2> "$TMP/sched.err" && grep -q "constant" "$TMP/sched.err" && grep -q "cosine" "$TMP/sched.err"; then
+  ok "impossible schedules refused: $(head -1 "$TMP/warmup.err"); $(head -1 "$TMP/sched.err")"
+else
+  bad "schedule refusals"; cat "$TMP/warmup.err" "$TMP/sched.err"
+fi
+
 # A model larger than a chunk and than the coordinator's message limit submits, trains
 # and fetches, and `fetch` writes exactly what the coordinator assembled.
 if job=$(submit_wait wide "$TMP/wide.pt" --data "$TMP/wide.data.pt" --stages 2 --schedule 1f1b --microbatches 4 \

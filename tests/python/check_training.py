@@ -6,6 +6,7 @@ usage: check_training.py MODEL.pt DATA.pt TRAINED.pt --steps N --batch-size B
                          --optimizer sgd|adam|adamw --lr X [--momentum X] [--weight-decay X]
                          [--tolerance 1e-4] [--dtype fp32|bf16] [--device cpu|cuda]
                          [--losses JOB.json --loss-tolerance 0.01]
+                         [--lr-schedule constant|linear|cosine --warmup-steps W --min-lr X]
 
 The reference: torch.jit.load(MODEL) trained with torch.optim for N steps; step k uses
 samples [k*B, (k+1)*B) of DATA (wrapping), with gradients accumulated over M equal
@@ -13,6 +14,10 @@ micro-batches (loss / M each), which is the computation a pipeline performs.
 --dtype bf16: each micro-batch's forward under torch.autocast(device, torch.bfloat16),
 the loss in fp32 on the output cast to fp32 (pippy's mixed precision). --device cuda:
 the reference trains on the GPU (TF32 off, as pippy's fp32 jobs).
+--lr-schedule: torch's schedulers, stepped after each optimizer step (cosine, W > 0:
+SequentialLR([LambdaLR(lambda s: (s + 1) / W), CosineAnnealingLR(T_max=N - W,
+eta_min=min_lr)], milestones=[W]); linear: LinearLR(start_factor=1, end_factor=min_lr /
+lr, total_iters=N - W) in its place; constant, W > 0: LambdaLR(lambda s: min(1, (s + 1) / W))).
 --losses: `pippyctl status JOB --output json`; its per-step losses must be within
 --loss-tolerance (relative) of the reference's.
 Prints the max relative difference over all parameters; exit 1 if above tolerance.
@@ -21,6 +26,7 @@ import argparse
 import contextlib
 import json
 import sys
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +59,9 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--losses", help="pippyctl status JOB --output json")
     ap.add_argument("--loss-tolerance", type=float, default=0.01)
+    ap.add_argument("--lr-schedule", choices=["constant", "linear", "cosine"], default="constant")
+    ap.add_argument("--warmup-steps", type=int, default=0)
+    ap.add_argument("--min-lr", type=float, default=0.0)
     a = ap.parse_args()
     torch.set_num_threads(1)
     if a.dtype == "bf16":
@@ -81,6 +90,21 @@ def main():
         opt = torch.optim.Adam(params, lr=a.lr, **wd)
     else:
         opt = torch.optim.AdamW(params, lr=a.lr, **wd)
+    sched = None
+    W, T = a.warmup_steps, a.steps - a.warmup_steps
+    lrs = torch.optim.lr_scheduler
+    # SequentialLR restarts its second scheduler with step(0), which torch 1.13 warns of.
+    warnings.filterwarnings("ignore", message="The epoch parameter")
+    if a.lr_schedule == "constant":
+        if W > 0:
+            sched = lrs.LambdaLR(opt, lambda s: min(1.0, (s + 1) / W))
+    else:
+        if a.lr_schedule == "cosine":
+            decay = lrs.CosineAnnealingLR(opt, T_max=T, eta_min=a.min_lr)
+        else:
+            decay = lrs.LinearLR(opt, start_factor=1.0, end_factor=a.min_lr / a.lr, total_iters=T)
+        sched = lrs.SequentialLR(opt, [lrs.LambdaLR(opt, lambda s: (s + 1) / W), decay], milestones=[W]) if W else decay
+    used_lrs = []
 
     def loss_fn(out, tgt):
         if a.loss == "mse":
@@ -117,8 +141,11 @@ def main():
             total += loss.item()
             (loss / m).backward()
         losses.append(total / m)
+        used_lrs.append(opt.param_groups[0]["lr"])
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if sched is not None:
+            sched.step()
 
     status = 0
     if a.losses:
@@ -133,6 +160,12 @@ def main():
               f"{worst_loss:.3g} over {len(losses)} steps (bound {a.loss_tolerance}); pippy "
               f"{[round(x, 5) for x in got_losses]}, PyTorch {[round(x, 5) for x in losses]}")
         status = 0 if ok else 1
+        with open(a.losses) as f:
+            got_lrs = json.load(f).get("learning_rates", [])
+        lr_ok = got_lrs == used_lrs
+        print(f"{'ok  ' if lr_ok else 'FAIL'} learning rates ({a.lr_schedule}, warm-up {W}) equal torch's schedulers' "
+              f"step for step: pippy {got_lrs[:3]}...{got_lrs[-2:]}, torch {used_lrs[:3]}...{used_lrs[-2:]}")
+        status = status if lr_ok else 1
 
     trained = torch.jit.load(a.trained, map_location=device)
     want = model.state_dict()

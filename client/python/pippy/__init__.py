@@ -127,9 +127,11 @@ def make_spec(model_path, data_path=None, *, stages=0, split_at=(), balance="par
               batch_size, steps=1, loss=None, optimizer=None, lr=0.01, momentum=0.0, weight_decay=None,
               beta1=None, beta2=None, eps=None, clip_grad_norm=0.0, name=None, seed=0, synthetic="",
               stages_per_worker=0, replicas=1, checkpoint_every=None, max_restarts=None, recovery_timeout_s=None,
-              dtype="fp32"):
+              dtype="fp32", lr_schedule=None, warmup_steps=0, min_lr=0.0):
     """The JobSpec pippyctl submit would send (the coordinator checks it again).
-    dtype: "fp32" or "bf16" (autocast to bfloat16, fp32 weights; pippyctl's --dtype)."""
+    dtype: "fp32" or "bf16" (autocast to bfloat16, fp32 weights; pippyctl's --dtype).
+    lr_schedule: "constant", "linear" or "cosine", with warmup_steps and min_lr (pippyctl's
+    --lr-schedule, --warmup-steps, --min-lr; torch.optim.lr_scheduler's semantics)."""
     spec = job_pb2.JobSpec(name=name or os.path.splitext(os.path.basename(model_path))[0], steps=steps,
                            batch_size=batch_size, seed=seed, replicas=replicas)
     spec.precision = _enum(job_pb2.Precision, dtype, "dtype")
@@ -147,6 +149,10 @@ def make_spec(model_path, data_path=None, *, stages=0, split_at=(), balance="par
         spec.optimizer.lr = lr
         spec.optimizer.momentum = momentum
         spec.optimizer.clip_grad_norm = clip_grad_norm
+        if lr_schedule:
+            spec.optimizer.lr_schedule = _enum(job_pb2.LrScheduleKind, lr_schedule, "lr_schedule")
+        spec.optimizer.warmup_steps = warmup_steps
+        spec.optimizer.min_lr = min_lr
         for field, value in (("weight_decay", weight_decay), ("beta1", beta1), ("beta2", beta2), ("eps", eps)):
             if value is not None:
                 setattr(spec.optimizer, field, value)
