@@ -33,7 +33,15 @@ void UseTransparentHugePages(char** argv) {
   if (mode.find("[madvise]") == std::string::npos && mode.find("[always]") == std::string::npos) return;
   const std::string set = t.empty() ? "glibc.malloc.hugetlb=1" : t + ":glibc.malloc.hugetlb=1";
   if (setenv("GLIBC_TUNABLES", set.c_str(), 1) != 0) return;
-  execv("/proc/self/exe", argv);
+  // The program's own path, not /proc/self/exe: the kernel names a process after the
+  // file it executed (comm), and tools and refusals ("port in use by pid N
+  // (pippy-coordinator)") show that name.
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n > 0) {
+    self[n] = '\0';
+    execv(self, argv);
+  }
   // Not executed again (no /proc?): go on with 4 KiB pages.
   if (tunables == nullptr) {
     unsetenv("GLIBC_TUNABLES");

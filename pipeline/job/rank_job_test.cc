@@ -1,6 +1,7 @@
 // RankJob's checkpoint state: a job stopped after k steps and resumed from its saved
 // stages (TorchScript) and SaveState() ends with exactly (bitwise) the parameters of
-// the uninterrupted job, for SGD with momentum and for AdamW; the random number
+// the uninterrupted job, for SGD with momentum and for AdamW (with a cosine
+// learning-rate schedule and warm-up); the random number
 // generator comes back; bad state bytes are DATA_LOSS.
 #include "pipeline/job/layout.h"
 #include "pipeline/job/rank_job.h"
@@ -36,6 +37,13 @@ JobSpec SpecFor(OptimizerKind optimizer, int batch) {
   spec.mutable_optimizer()->set_kind(optimizer);
   spec.mutable_optimizer()->set_lr(optimizer == OPTIMIZER_SGD ? 0.05 : 1e-3);
   if (optimizer == OPTIMIZER_SGD) spec.mutable_optimizer()->set_momentum(0.9);
+  if (optimizer == OPTIMIZER_ADAMW) {
+    // A schedule whose warm-up ends before the interruption at step 3: the resumed
+    // ranks must go on with the decay's step 3, not the restored optimizer's lr.
+    spec.mutable_optimizer()->set_lr_schedule(LR_SCHEDULE_COSINE);
+    spec.mutable_optimizer()->set_warmup_steps(2);
+    spec.mutable_optimizer()->set_min_lr(1e-5);
+  }
   return spec;
 }
 
