@@ -96,15 +96,14 @@ absl::Status ArtifactStore::AppendResult(const std::string& job_id, int stage, a
   auto it = open_.find(key);
   if (it == open_.end()) {
     if (!fs::exists(JobDir(job_id))) return absl::OkStatus();  // the job ended meanwhile
-    OpenResult r;
-    r.out = std::make_unique<FileWriter>();
-    PIPPY_RETURN_IF_ERROR(r.out->Open(ResultPath(job_id, stage)));
-    it = open_.emplace(key, std::move(r)).first;
+    auto out = std::make_unique<FileWriter>();
+    PIPPY_RETURN_IF_ERROR(out->Open(ResultPath(job_id, stage)));
+    it = open_.emplace(key, std::move(out)).first;
     complete_[job_id][stage] = false;
   }
-  absl::Status s = it->second.out->Append(chunk);
+  absl::Status s = it->second->Append(chunk);
   // Not synced: an intermediate that the merge reads next (into the file fetch serves).
-  if (s.ok() && last) s = it->second.out->Close(/*sync=*/false);
+  if (s.ok() && last) s = it->second->Close(/*sync=*/false);
   if (last || !s.ok()) {
     open_.erase(it);
     PIPPY_RETURN_IF_ERROR(s);

@@ -141,11 +141,8 @@ class ArtifactStore {
   const std::string state_dir_;
   absl::Mutex mu_;
   int64_t next_upload_ ABSL_GUARDED_BY(mu_) = 0;
-  struct OpenResult {
-    std::unique_ptr<FileWriter> out;
-  };
   // (job, stage) -> the result file being written.
-  std::map<std::pair<std::string, int>, OpenResult> open_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<std::string, int>, std::unique_ptr<FileWriter>> open_ ABSL_GUARDED_BY(mu_);
   // (job, stage) of results that arrived whole.
   std::map<std::string, std::map<int, bool>> complete_ ABSL_GUARDED_BY(mu_);
   // Checkpoint pieces being written: final path -> (job, its .tmp file).

@@ -150,7 +150,8 @@ def main():
     status = 0
     if a.losses:
         with open(a.losses) as f:
-            got_losses = json.load(f).get("losses", [])
+            reported = json.load(f)
+        got_losses = reported.get("losses", [])
         if len(got_losses) != len(losses):
             print(f"FAIL: the job reported {len(got_losses)} losses, the reference has {len(losses)}")
             return 1
@@ -160,8 +161,7 @@ def main():
               f"{worst_loss:.3g} over {len(losses)} steps (bound {a.loss_tolerance}); pippy "
               f"{[round(x, 5) for x in got_losses]}, PyTorch {[round(x, 5) for x in losses]}")
         status = 0 if ok else 1
-        with open(a.losses) as f:
-            got_lrs = json.load(f).get("learning_rates", [])
+        got_lrs = reported.get("learning_rates", [])
         lr_ok = got_lrs == used_lrs
         print(f"{'ok  ' if lr_ok else 'FAIL'} learning rates ({a.lr_schedule}, warm-up {W}) equal torch's schedulers' "
               f"step for step: pippy {got_lrs[:3]}...{got_lrs[-2:]}, torch {used_lrs[:3]}...{used_lrs[-2:]}")
