@@ -17,6 +17,7 @@
 #include "pipeline/job/job_spec.h"
 #include "pipeline/job/layout.h"
 #include "pipeline/job/rank_job.h"
+#include "pipeline/stage/data_source.h"
 #include "pipeline/torchio/model_io.h"
 #include "pipeline/partition/partition.h"
 #include "pipeline/schedule/schedule.h"

@@ -86,10 +86,14 @@ absl::Status InCliWords(const absl::Status& s, const std::string& model, const s
       {"fault_tolerance.max_restarts", "--max-restarts"},
       {"fault_tolerance.recovery_timeout_s", "--recovery-timeout-s"},
       {"data.synthetic", "--synthetic"},
+      {"data.dataset.path", "--dataset"},
+      {"data.dataset.seq_len", "--seq-len"},
+      {"data.dataset.token_dtype", "--token-dtype"},
+      {"data.dataset", "--dataset"},
       {"batch_size", "--batch-size"},
   };
   static const std::pair<const char*, const char*> kLeading[] = {
-      {"steps: ", "--steps: "},     {"replicas: ", "--replicas: "}, {"precision: ", "--dtype: "},
+      {"steps: ", "--steps: "},     {"epochs: ", "--epochs: "},     {"replicas: ", "--replicas: "}, {"precision: ", "--dtype: "},
       {"loss: ", "--loss: "},       {"split: ", "--stages/--split-at: "},
   };
   std::string m(s.message());
@@ -382,9 +386,12 @@ absl::Status SetPrecision(const std::string& dtype, JobSpec* spec) {
 
 struct SubmitFlags {
   std::string model, data, synthetic, name, dtype = "fp32";
+  std::string dataset, token_dtype, shuffle = "off";
+  int seq_len = 0, epochs = 0;
   SplitFlags split;
   std::string schedule, loss, optimizer, lr_schedule;
-  int microbatches = 0, batch_size = 0, steps = 1, stages_per_worker = 0, warmup_steps = 0;
+  int microbatches = 0, batch_size = 0, stages_per_worker = 0, warmup_steps = 0;
+  std::optional<int> steps;
   double lr = 0.01, momentum = 0, clip = 0, min_lr = 0;
   std::optional<double> weight_decay, beta1, beta2, eps;
   std::optional<int> checkpoint_every, max_restarts;
@@ -434,10 +441,25 @@ absl::StatusOr<JobSpec> SpecFrom(const SubmitFlags& f) {
     o->set_warmup_steps(f.warmup_steps);
     o->set_min_lr(f.min_lr);
   }
-  spec.set_steps(f.steps);
+  spec.set_steps(f.steps.value_or(f.epochs > 0 ? 0 : 1));
+  spec.set_epochs(f.epochs);
   spec.set_batch_size(f.batch_size);
   if (!f.data.empty()) spec.mutable_data()->set_file(std::filesystem::path(f.data).filename().string());
   spec.mutable_data()->set_synthetic(f.synthetic);
+  if (!f.dataset.empty()) {
+    // Absolute, as the client sees it: the daemons read it where they run (a shared mount).
+    DatasetSpec* ds = spec.mutable_data()->mutable_dataset();
+    ds->set_path(std::filesystem::absolute(f.dataset).lexically_normal().string());
+    ds->set_seq_len(f.seq_len);
+    ds->set_shuffle(f.shuffle == "on");
+    if (!f.token_dtype.empty()) {
+      auto dtype = job::ParseTokenDtype(f.token_dtype);
+      if (!dtype.ok()) return absl::InvalidArgumentError(absl::StrCat("data.dataset.token_dtype: ", dtype.status().message()));
+      ds->set_token_dtype(*dtype);
+    }
+  } else if (f.seq_len != 0 || !f.token_dtype.empty() || f.shuffle == "on") {
+    return absl::InvalidArgumentError("--seq-len, --token-dtype and --shuffle are for --dataset");
+  }
   spec.set_seed(f.seed);
   spec.set_replicas(f.replicas);
   FaultToleranceSpec* ft = spec.mutable_fault_tolerance();
@@ -536,6 +558,22 @@ void AddSubmit(CLI::App& root, const GlobalFlags& g, int* exit_code) {
                                     "\"inputs=float32[256,1024];targets=float32[256,1024];seed=0\" "
                                     "(int64[64,16]@64 for integers in [0, 64); without seed= the job's --seed)");
   data->excludes(synthetic);
+  auto* dataset = cmd->add_option("--dataset", f->dataset,
+                                  "a dataset the workers read themselves (docs/data.md): a folder of token streams "
+                                  "(*.bin) or tensor shards (*.pt), or a manifest file listing them, at a path every "
+                                  "worker and the coordinator can read (under their --dataset-root)");
+  dataset->excludes(data)->excludes(synthetic);
+  cmd->add_option("--seq-len", f->seq_len, "token streams: tokens per sample (each sample reads L + 1)")
+      ->check(cli::Positive());
+  cli::AddNameOption<TokenDtype>(cmd, "--token-dtype", &f->token_dtype, "token dtype",
+                                 "token streams: the width of a token id (default uint16)");
+  cmd->add_option("--shuffle", f->shuffle,
+                  "on: each epoch reads the samples in a seeded order (--seed; docs/data.md); off: in order")
+      ->check(CLI::IsMember({"on", "off"}))->capture_default_str();
+  auto* epochs = cmd->add_option("--epochs", f->epochs,
+                                 "passes over the dataset, instead of --steps (steps = epochs x samples / "
+                                 "batch size, the last partial batch of each epoch dropped)")
+                     ->check(cli::Positive());
   AddSplitFlags(cmd, &f->split);
   cli::AddNameOption<ScheduleKind>(cmd, "--schedule", &f->schedule, "schedule", "pipeline schedule")->required();
   cmd->add_option("--stages-per-worker", f->stages_per_worker,
@@ -545,7 +583,9 @@ void AddSubmit(CLI::App& root, const GlobalFlags& g, int* exit_code) {
   cmd->add_option("--batch-size", f->batch_size, "samples per step (a multiple of --microbatches)")
       ->required()
       ->check(cli::Positive());
-  cmd->add_option("--steps", f->steps, "optimizer steps (inference: batches)")->check(cli::Positive())->capture_default_str();
+  cmd->add_option("--steps", f->steps, "optimizer steps (inference: batches; default 1)")
+      ->check(cli::Positive())
+      ->excludes(epochs);
   AddDtypeFlag(cmd, &f->dtype);
   cli::AddNameOption<LossKind>(cmd, "--loss", &f->loss, "loss", "the loss, on the last stage");
   cli::AddNameOption<OptimizerKind>(cmd, "--optimizer", &f->optimizer, "optimizer",

@@ -225,6 +225,7 @@ PrepareOptions Coordinator::PrepareOptionsFor(std::shared_ptr<const std::atomic<
   prepare.preparer = options_.child_binary;
   prepare.timeout = options_.prepare_timeout;
   prepare.probe_timeout = options_.probe_timeout;
+  prepare.dataset_roots = options_.dataset_roots;
   prepare.cancelled = [this, ended = std::move(ended)] { return stopping_.load() || (ended && ended->load()); };
   return prepare;
 }

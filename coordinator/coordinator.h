@@ -85,6 +85,8 @@ class Coordinator {
     std::string child_binary;
     absl::Duration prepare_timeout = absl::Minutes(5);  // a child, whole
     absl::Duration probe_timeout = absl::Minutes(2);    // the model's forward passes in it
+    // Folders a job's dataset may be indexed in (--dataset-root; none: datasets refused).
+    std::vector<std::string> dataset_roots;
     // Ended jobs are deleted (record and files) once older than this (0: kept)...
     absl::Duration job_retention = absl::ZeroDuration();
     // ... and beyond this many ended jobs, the longest-ended first (0: no limit).

@@ -24,6 +24,7 @@
 #include "pipeline/partition/forward_probe.h"
 #include "pipeline/partition/partition.h"
 #include "pipeline/stage/data_source.h"
+#include "pipeline/stage/dataset.h"
 #include "pipeline/stage/microbatch.h"
 #include "pipeline/stage/synthetic_data.h"
 #include "pipeline/stage/training.h"
@@ -117,38 +118,127 @@ absl::StatusOr<torch::jit::Module> LoadSubmitted(const std::string& dir) {
   return Bad("model", msg);
 }
 
-// The job's data and its first micro-batch (inputs, and targets for training).
+// The job's data and its first micro-batch (inputs, and targets for training); the
+// spec with its steps resolved (a job given in epochs).
 struct JobData {
-  stage::DataSource data;
+  JobSpec spec;
+  std::optional<stage::DataSource> data;  // a data file or synthetic data
+  std::optional<DatasetLayout> dataset;   // or a dataset, indexed
   std::vector<c10::IValue> example;
   c10::IValue target;  // training only
+  int64_t samples = 0;
 };
 
+// The dataset indexed and its first batch read, as the ranks will read it.
+absl::Status ReadDataset(const std::vector<std::string>& names, const PrepareOptions& options, JobData* d,
+                         stage::Batch* first) {
+  JobSpec& spec = d->spec;
+  const DatasetSpec& ds = spec.data().dataset();
+  PIPPY_ASSIGN_OR_RETURN(DatasetLayout index,
+                         stage::IndexDataset(ds, names, spec.batch_size(), options.dataset_roots));
+  if (spec.epochs() > 0) {
+    index.set_epochs(spec.epochs());
+    const int64_t steps = static_cast<int64_t>(spec.epochs()) * index.steps_per_epoch();
+    if (steps > (int64_t{1} << 30)) return Bad("epochs", absl::StrCat(spec.epochs(), " epochs are ", steps, " steps"));
+    spec.set_steps(static_cast<int>(steps));
+    spec.set_epochs(0);
+    PIPPY_RETURN_IF_ERROR(job::CheckSpec(&spec));  // the warm-up against the steps
+  }
+  std::vector<int> all(names.size());
+  for (size_t i = 0; i < names.size(); ++i) all[i] = static_cast<int>(i);
+  PIPPY_ASSIGN_OR_RETURN(std::unique_ptr<stage::Dataset> reader,
+                         stage::Dataset::Open(ds, index, names, all, spec.mode() == MODE_TRAIN, spec.batch_size(),
+                                              spec.seed(), options.dataset_roots));
+  PIPPY_ASSIGN_OR_RETURN(*first, reader->Read(0, spec.batch_size(), 0, 1));
+  d->samples = index.samples();
+  d->dataset = std::move(index);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<JobData> ReadData(const JobSpec& spec, const std::string& dir, const torch::jit::Module& model,
-                                 const Phase& phase) {
+                                 const Phase& phase, const PrepareOptions& options) {
   const bool train = spec.mode() == MODE_TRAIN;
   phase("data");
-  PIPPY_ASSIGN_OR_RETURN(std::string data_bytes, DataBytes(spec, dir));
+  JobData d;
+  d.spec = spec;
   const std::vector<std::string> names = torchio::ForwardArgumentNames(model);
-  absl::StatusOr<stage::DataSource> data_or = spec.has_serving()
-                                                  ? stage::DataSource::FromExampleBytes(data_bytes, names)
-                                                  : stage::DataSource::FromBytes(data_bytes, names);
-  PIPPY_ASSIGN_OR_RETURN(stage::DataSource data, std::move(data_or));
-  std::string().swap(data_bytes);
-  if (train && !data.has_targets()) return Bad("data", "training needs \"targets\" in the data file");
-  if (!train && static_cast<int64_t>(spec.steps()) * spec.batch_size() > data.num_samples() * 64) {
-    return Bad("steps", "an inference job reads each sample at most a few times; lower steps or batch_size");
+  stage::Batch first;
+  if (!spec.data().dataset().path().empty()) {
+    if (std::filesystem::exists(dir + "/data.pt")) return Bad("data", "give a dataset or a data file, not both");
+    PIPPY_RETURN_IF_ERROR(ReadDataset(names, options, &d, &first));
+    if (train && first.target.isNone()) {
+      return Bad("dataset", "training needs targets: the tensor shards have no \"targets\"");
+    }
+  } else {
+    PIPPY_ASSIGN_OR_RETURN(std::string data_bytes, DataBytes(spec, dir));
+    absl::StatusOr<stage::DataSource> data_or = spec.has_serving()
+                                                    ? stage::DataSource::FromExampleBytes(data_bytes, names)
+                                                    : stage::DataSource::FromBytes(data_bytes, names);
+    PIPPY_ASSIGN_OR_RETURN(stage::DataSource data, std::move(data_or));
+    std::string().swap(data_bytes);
+    if (train && !data.has_targets()) return Bad("data", "training needs \"targets\" in the data file");
+    if (!train && static_cast<int64_t>(spec.steps()) * spec.batch_size() > data.num_samples() * 64) {
+      return Bad("steps", "an inference job reads each sample at most a few times; lower steps or batch_size");
+    }
+    first = stage::Batch{data.Inputs(0, spec.batch_size()), data.Target(0, spec.batch_size())};
+    if (spec.data().synthetic().empty()) d.samples = data.num_samples();
+    d.data = std::move(data);
   }
   const int m = spec.schedule().microbatches();
-  PIPPY_ASSIGN_OR_RETURN(auto mb_inputs, Field("data", stage::SplitIntoMicrobatches(
-                                                           data.Inputs(0, spec.batch_size()), m, {}, names)));
-  c10::IValue target;
+  const char* field = d.dataset ? "dataset" : "data";
+  PIPPY_ASSIGN_OR_RETURN(auto mb_inputs, Field(field, stage::SplitIntoMicrobatches(first.inputs, m, {}, names)));
   if (train) {
-    PIPPY_ASSIGN_OR_RETURN(auto mb_targets, Field("data", stage::SplitIntoMicrobatches(
-                                                               {data.Target(0, spec.batch_size())}, m, {}, {"targets"})));
-    target = mb_targets[0][0];
+    PIPPY_ASSIGN_OR_RETURN(auto mb_targets,
+                           Field(field, stage::SplitIntoMicrobatches({first.target}, m, {}, {"targets"})));
+    d.target = mb_targets[0][0];
   }
-  return JobData{std::move(data), mb_inputs[0], target};
+  d.example = mb_inputs[0];
+  return d;
+}
+
+// The rows of the embedding that a token dataset's ids index: of each aten::embedding
+// whose indices are the model's first input, as a stage reads it (the smallest if
+// several). 0: none found (the ids go elsewhere first; unchecked).
+int64_t TokenLimit(const partition::Pipe& pipe) {
+  int64_t limit = 0;
+  for (size_t s = 0; s < pipe.stages.size(); ++s) {
+    const StagePlan& plan = pipe.plan.stages(static_cast<int>(s));
+    const std::shared_ptr<torch::jit::Graph> graph = pipe.stages[s].get_method("forward").graph();
+    for (int i = 0; i < plan.inputs_size(); ++i) {
+      if (!plan.inputs(i).has_model_input() || plan.inputs(i).model_input() != 0) continue;
+      if (static_cast<size_t>(i) + 1 >= graph->inputs().size()) continue;
+      for (const torch::jit::Use& use : graph->inputs()[static_cast<size_t>(i) + 1]->uses()) {
+        if (use.user->kind() != c10::Symbol::aten("embedding") || use.offset != 1) continue;
+        // The weight: a GetAttr chain from self.
+        std::vector<std::string> path;
+        torch::jit::Value* v = use.user->input(0);
+        while (v->node()->kind() == c10::prim::GetAttr) {
+          path.insert(path.begin(), v->node()->s(c10::attr::name));
+          v = v->node()->input(0);
+        }
+        if (v != graph->inputs()[0] || path.empty()) continue;
+        torch::jit::Module m = pipe.stages[s];
+        for (size_t k = 0; k + 1 < path.size(); ++k) m = m.attr(path[k]).toModule();
+        const c10::IValue w = m.attr(path.back());
+        if (!w.isTensor() || w.toTensor().dim() != 2) continue;
+        const int64_t rows = w.toTensor().size(0);
+        limit = limit == 0 ? rows : std::min(limit, rows);
+      }
+    }
+  }
+  return limit;
+}
+
+// The job's layout's data part: the samples, and a dataset's index for the ranks that read it.
+void SetLayoutData(const JobData& d, const partition::Pipe* pipe, JobLayout* layout) {
+  layout->set_data_samples(d.samples);
+  if (!d.dataset) return;
+  DatasetLayout index = *d.dataset;
+  if (index.tokens() && pipe != nullptr) index.set_token_limit(TokenLimit(*pipe));
+  *layout->mutable_dataset() = index;
+  for (RankLayout& piece : *layout->mutable_ranks()) {
+    if (piece.model_inputs_size() > 0 || piece.targets()) *piece.mutable_dataset() = index;
+  }
 }
 
 // The model's output on the example, checked as the data's: errors name the data
@@ -170,13 +260,16 @@ absl::Status CheckOutput(const JobSpec& spec, const std::string& dir, torch::jit
 // Each rank's share of the data, written into `dir`; their sizes. A serving job's
 // example is not served (requests bring the inputs): its shares are empty.
 absl::StatusOr<std::vector<int64_t>> WriteShares(const JobSpec& spec, const JobLayout& layout,
-                                                 const stage::DataSource& data, const std::string& dir) {
+                                                 const std::optional<stage::DataSource>& data, const std::string& dir) {
   std::vector<int64_t> sizes;
   for (int r = 0; r < layout.ranks_size(); ++r) {
     const RankLayout& piece = layout.ranks(r);
     std::vector<int> inputs;
     if (!spec.has_serving()) inputs.assign(piece.model_inputs().begin(), piece.model_inputs().end());
-    PIPPY_ASSIGN_OR_RETURN(std::string share, data.ShareBytes(inputs, piece.targets() && !spec.has_serving()));
+    std::string share;  // a dataset's ranks read it themselves: their shares are empty
+    if (data) {
+      PIPPY_ASSIGN_OR_RETURN(share, data->ShareBytes(inputs, piece.targets() && !spec.has_serving()));
+    }
     const std::string path = absl::StrCat(dir, "/", ArtifactStore::ShareFileName(r));
     std::ofstream f(path, std::ios::binary | std::ios::trunc);
     f.write(share.data(), static_cast<std::streamsize>(share.size()));
@@ -200,13 +293,14 @@ partition::SplitOptions SplitOptionsOf(const JobSpec& spec) {
 // Record by record (torchio/model_records.h): the skeleton split, then one stage at a
 // time its records read, the example micro-batch through it, its file written and its
 // records let go. Memory: the code, one stage's tensors, one micro-batch's activations.
-absl::StatusOr<PreparedJob> PrepareByRecords(const JobSpec& spec, const std::string& dir, const Phase& phase,
-                                             torchio::ModelRecords& records) {
+absl::StatusOr<PreparedJob> PrepareByRecords(const JobSpec& submitted, const std::string& dir, const Phase& phase,
+                                             torchio::ModelRecords& records, const PrepareOptions& options) {
   PreparedJob out;
-  out.spec = spec;
   const absl::Time start = absl::Now();
   torch::jit::Module& model = records.skeleton();
-  PIPPY_ASSIGN_OR_RETURN(JobData d, ReadData(spec, dir, model, phase));
+  PIPPY_ASSIGN_OR_RETURN(JobData d, ReadData(submitted, dir, model, phase, options));
+  const JobSpec& spec = d.spec;
+  out.spec = spec;
   phase("split");
   absl::StatusOr<partition::Pipe> pipe = partition::SplitModel(model, SplitOptionsOf(spec));
   if (!pipe.ok()) return Field("split", pipe.status());
@@ -235,7 +329,7 @@ absl::StatusOr<PreparedJob> PrepareByRecords(const JobSpec& spec, const std::str
                                     d.target));
   out.plan = pipe->plan;
   PIPPY_ASSIGN_OR_RETURN(out.layout, job::MakeLayout(spec, out.plan));
-  if (spec.data().synthetic().empty()) out.layout.set_data_samples(d.data.num_samples());
+  SetLayoutData(d, &*pipe, &out.layout);
   PIPPY_ASSIGN_OR_RETURN(out.share_bytes, WriteShares(spec, out.layout, d.data, dir));
   log::Info("prepared a submission record by record in {}: split into {} stages in {}, each stage read, run on "
             "the example and written in {}",
@@ -246,17 +340,18 @@ absl::StatusOr<PreparedJob> PrepareByRecords(const JobSpec& spec, const std::str
 
 // The whole model loaded: for what runs the whole model (--balance flops or time, a
 // model with its own loss method) and archives the records path does not read.
-absl::StatusOr<PreparedJob> PrepareWhole(const JobSpec& spec, const std::string& dir, const Phase& phase) {
+absl::StatusOr<PreparedJob> PrepareWhole(const JobSpec& submitted, const std::string& dir, const Phase& phase,
+                                         const PrepareOptions& options) {
   PreparedJob out;
-  out.spec = spec;
   const absl::Time start = absl::Now();
   PIPPY_ASSIGN_OR_RETURN(torch::jit::Module model, LoadSubmitted(dir));
   const absl::Time loaded_at = absl::Now();
-  PIPPY_ASSIGN_OR_RETURN(JobData d, ReadData(spec, dir, model, phase));
+  PIPPY_ASSIGN_OR_RETURN(JobData d, ReadData(submitted, dir, model, phase, options));
+  const JobSpec& spec = d.spec;
+  out.spec = spec;
   std::vector<c10::IValue> example = d.example;
   phase("probe");
   PIPPY_RETURN_IF_ERROR(CheckOutput(spec, dir, model, partition::RunForwardOnce(model, example), d.target));
-  const stage::DataSource& data = d.data;
   const absl::Time checked_at = absl::Now();
   phase("split");
   partition::SplitOptions so = SplitOptionsOf(spec);
@@ -265,11 +360,11 @@ absl::StatusOr<PreparedJob> PrepareWhole(const JobSpec& spec, const std::string&
   if (!pipe.ok()) return Field("split", pipe.status());
   out.plan = pipe->plan;
   PIPPY_ASSIGN_OR_RETURN(out.layout, job::MakeLayout(spec, out.plan));
-  if (spec.data().synthetic().empty()) out.layout.set_data_samples(data.num_samples());
+  SetLayoutData(d, &*pipe, &out.layout);
   const absl::Time split_at = absl::Now();
   phase("write");
   PIPPY_ASSIGN_OR_RETURN(out.stage_bytes, WriteStageFiles(pipe->stages, dir));
-  PIPPY_ASSIGN_OR_RETURN(out.share_bytes, WriteShares(spec, out.layout, data, dir));
+  PIPPY_ASSIGN_OR_RETURN(out.share_bytes, WriteShares(spec, out.layout, d.data, dir));
   log::Info("prepared a submission in {}: model loaded in {}, data checked in {}, split into {} stages in {}, stage "
             "files and {} data shares written in {}",
             absl::FormatDuration(absl::Now() - start), absl::FormatDuration(loaded_at - start),
@@ -281,7 +376,8 @@ absl::StatusOr<PreparedJob> PrepareWhole(const JobSpec& spec, const std::string&
 
 // The preparation's work, wherever it runs; `spec` is already checked.
 absl::StatusOr<PreparedJob> PrepareHere(const JobSpec& spec, const std::string& dir, const Phase& phase,
-                                        bool whole) {
+                                        const PrepareOptions& options) {
+  const bool whole = options.whole;
   torch::jit::setGraphExecutorOptimize(false);
   phase("load");
   const Balance balance = spec.split().balance();
@@ -292,16 +388,17 @@ absl::StatusOr<PreparedJob> PrepareHere(const JobSpec& spec, const std::string& 
     // An archive the records path cannot read is loaded whole, which says what is wrong.
     // The model's own loss() may read its parameters: checked with the whole model.
     const bool own_loss = spec.mode() == MODE_TRAIN && spec.loss() == LOSS_MODEL;
-    if (records.ok() && !own_loss) return PrepareByRecords(spec, dir, phase, **records);
+    if (records.ok() && !own_loss) return PrepareByRecords(spec, dir, phase, **records, options);
     log::Info("preparing with the whole model loaded: {}",
               records.ok() ? "--loss model runs the model's own loss()" : std::string(records.status().message()));
   }
-  return PrepareWhole(spec, dir, phase);
+  return PrepareWhole(spec, dir, phase, options);
 }
 
 constexpr char kSpecFile[] = "/job_spec.pb";
 constexpr char kPlanFile[] = "/plan.pb";
 constexpr char kLayoutFile[] = "/layout.pb";
+constexpr char kPreparedSpecFile[] = "/prepared_spec.pb";  // the spec with its steps resolved
 
 absl::Status WriteMessage(const google::protobuf::Message& m, const std::string& path) {
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
@@ -377,6 +474,10 @@ absl::StatusOr<PreparedJob> PrepareInChild(const JobSpec& spec, const std::strin
   ChildSpec child;
   child.argv = {options.preparer, kPrepareFlag, dir};
   if (options.whole) child.argv.push_back(kWholeFlag);
+  for (const std::string& root : options.dataset_roots) {
+    child.argv.push_back(kDatasetRootFlag);
+    child.argv.push_back(root);
+  }
   child.timeout = options.timeout;
   child.phase_timeouts = {{"probe", options.probe_timeout}, {"split", options.probe_timeout}};
   child.cancelled = options.cancelled;
@@ -384,7 +485,7 @@ absl::StatusOr<PreparedJob> PrepareInChild(const JobSpec& spec, const std::strin
   const ChildResult r = RunChild(child);
   PIPPY_RETURN_IF_ERROR(ChildStatus(r, dir));
   PreparedJob out;
-  out.spec = spec;
+  PIPPY_RETURN_IF_ERROR(ReadMessage(dir + kPreparedSpecFile, &out.spec));
   PIPPY_RETURN_IF_ERROR(ReadMessage(dir + kPlanFile, &out.plan));
   PIPPY_RETURN_IF_ERROR(ReadMessage(dir + kLayoutFile, &out.layout));
   for (int s = 0; s < out.plan.stages_size(); ++s) {
@@ -409,11 +510,11 @@ absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::stri
   JobSpec spec = submitted;
   PIPPY_RETURN_IF_ERROR(job::CheckSpec(&spec));
   if (ArtifactStore::FileSize(dir + "/model.pt") <= 0) return Bad("model", "empty: send the TorchScript file's bytes");
-  if (options.preparer.empty()) return PrepareHere(spec, dir, [](absl::string_view) {}, options.whole);
+  if (options.preparer.empty()) return PrepareHere(spec, dir, [](absl::string_view) {}, options);
   return PrepareInChild(spec, dir, options);
 }
 
-int RunPreparationChild(const std::string& dir, bool whole) {
+int RunPreparationChild(const std::string& dir, bool whole, const std::vector<std::string>& dataset_roots) {
   log::Init("prepare", log::Level::kOff);
   EnterChild(HeapCap(dir));
   JobSpec spec;
@@ -423,8 +524,12 @@ int RunPreparationChild(const std::string& dir, bool whole) {
     phase = std::string(p);
     AnnouncePhase(p);
   };
-  absl::StatusOr<PreparedJob> prepared = s.ok() ? PrepareHere(spec, dir, announce, whole) : s;
-  if (prepared.ok()) s = WriteMessage(prepared->plan, dir + kPlanFile);
+  PrepareOptions options;
+  options.whole = whole;
+  options.dataset_roots = dataset_roots;
+  absl::StatusOr<PreparedJob> prepared = s.ok() ? PrepareHere(spec, dir, announce, options) : s;
+  if (prepared.ok()) s = WriteMessage(prepared->spec, dir + kPreparedSpecFile);
+  if (prepared.ok() && s.ok()) s = WriteMessage(prepared->plan, dir + kPlanFile);
   if (prepared.ok() && s.ok()) s = WriteMessage(prepared->layout, dir + kLayoutFile);
   if (!prepared.ok()) s = prepared.status();
   if (!s.ok()) {

@@ -55,10 +55,16 @@ struct PrepareOptions {
   // Load the model whole even where the record-by-record path would do (tests that
   // compare the two).
   bool whole = false;
+  // Folders a job's dataset may be read from (--dataset-root; stage/dataset.h).
+  std::vector<std::string> dataset_roots;
 };
 
-// `dir` holds model.pt and (unless the spec asks for synthetic data) data.pt; the
-// stage files and data shares are written beside them (see artifact_store.h for names).
+// `dir` holds model.pt and (unless the spec asks for synthetic data or a dataset)
+// data.pt; the stage files and data shares are written beside them (see
+// artifact_store.h for names). A dataset (DataSpec.dataset) is indexed, not copied:
+// its layout goes into the job's (JobLayout.dataset and each reading rank's piece),
+// its first batch is the example, the shares are empty, and a job given in epochs
+// gets its steps (PreparedJob.spec.steps).
 // Errors: INVALID_ARGUMENT whose message starts with the field (spec fields, "model:",
 // "data:", "split:", "schedule:"), naming a crash, a deadline or the memory cap where
 // the child met one; UNAVAILABLE when the folder cannot be written, the child cannot be
@@ -66,11 +72,12 @@ struct PrepareOptions {
 absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& spec, const std::string& dir,
                                        const PrepareOptions& options = {});
 
-// The child's side: `BINARY --prepare DIR [--whole]`. Exit 0 with the files written;
-// else the error reported (child_process.h) and exit 3.
+// The child's side: `BINARY --prepare DIR [--whole] [--dataset-root R]...`. Exit 0
+// with the files written; else the error reported (child_process.h) and exit 3.
 inline constexpr char kPrepareFlag[] = "--prepare";
 inline constexpr char kWholeFlag[] = "--whole";
-int RunPreparationChild(const std::string& dir, bool whole);
+inline constexpr char kDatasetRootFlag[] = "--dataset-root";
+int RunPreparationChild(const std::string& dir, bool whole, const std::vector<std::string>& dataset_roots);
 
 }  // namespace pippy::coordinator
 

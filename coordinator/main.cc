@@ -50,6 +50,7 @@ struct Flags {
   int max_streams = 0, max_queued = 0;
   double stream_idle_timeout_s = 60;
   double prepare_timeout_s = 300, probe_timeout_s = 120;
+  std::vector<std::string> dataset_roots;
   double job_retention_days = 0;
   int max_finished_jobs = 0;
   int metrics_port = -1;
@@ -108,6 +109,11 @@ void AddFlags(CLI::App& app, Flags* f) {
                  "the submitted model's forward on one micro-batch (shape probe, loss check, the split's stage "
                  "forwards, --balance time) must finish within this, in the preparing child")
       ->check(cli::Positive())->capture_default_str();
+  app.add_option("--dataset-root", f->dataset_roots,
+                 "a folder jobs' datasets (pippyctl submit --dataset) may be read from, symbolic links resolved; "
+                 "repeat for several. The coordinator indexes a dataset there; the workers read it (their own "
+                 "--dataset-root). Default: none, datasets are refused")
+      ->check(CLI::ExistingDirectory);
   app.add_option("--job-retention-days", f->job_retention_days,
                  "delete ended jobs (record, files, trained model) this long after they ended (0: keep them)")
       ->check(cli::NonNegative())->capture_default_str();
@@ -228,6 +234,7 @@ int Serve(const Flags& f) {
   opts.child_binary = "/proc/self/exe";
   opts.prepare_timeout = absl::Seconds(f.prepare_timeout_s);
   opts.probe_timeout = absl::Seconds(f.probe_timeout_s);
+  opts.dataset_roots = f.dataset_roots;
   opts.job_retention = absl::Seconds(f.job_retention_days * 86400);
   opts.max_finished_jobs = f.max_finished_jobs;
   opts.max_message_bytes = int64_t{f.max_message_mib} << 20;
@@ -367,9 +374,14 @@ int main(int argc, char** argv) {
   // They end with _Exit once their files are closed: no static destructors (LibTorch's
   // thread pools among them) can keep a finished child from exiting, which its parent
   // would wait for until the child's deadline.
-  if ((argc == 3 || argc == 4) && std::string(argv[1]) == coordinator::kPrepareFlag) {
-    const int code =
-        coordinator::RunPreparationChild(argv[2], argc == 4 && std::string(argv[3]) == coordinator::kWholeFlag);
+  if (argc >= 3 && std::string(argv[1]) == coordinator::kPrepareFlag) {
+    bool whole = false;
+    std::vector<std::string> dataset_roots;
+    for (int i = 3; i < argc; ++i) {
+      if (std::string(argv[i]) == coordinator::kWholeFlag) whole = true;
+      if (std::string(argv[i]) == coordinator::kDatasetRootFlag && i + 1 < argc) dataset_roots.push_back(argv[++i]);
+    }
+    const int code = coordinator::RunPreparationChild(argv[2], whole, dataset_roots);
     std::fflush(nullptr);
     std::_Exit(code);
   }

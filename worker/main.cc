@@ -56,6 +56,10 @@ int main(int argc, char** argv) {
                  "added to --health-port and --metrics-port (a unit template's instance number: one set of ports "
                  "per worker on a host)")
       ->check(CLI::Range(0, 10000))->capture_default_str();
+  app.add_option("--dataset-root", o.dataset_roots,
+                 "a folder jobs' datasets (pippyctl submit --dataset) may be read from, symbolic links resolved; "
+                 "repeat for several (default: none, datasets are refused)")
+      ->check(CLI::ExistingDirectory);
   app.add_option("--tls-ca", o.tls_ca, "TLS to the coordinator: the CA that signed its certificate (PEM)")
       ->envname("PIPPY_TLS_CA")->check(CLI::ExistingFile);
   app.add_option("--tls-cert", o.tls_cert, "this worker's client certificate for mTLS (PEM; with --tls-key)")

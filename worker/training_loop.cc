@@ -10,7 +10,7 @@
 
 namespace pippy::worker {
 
-absl::Status RunTrainingSteps(const Assignment& a, job::RankJob& rank_job, const stage::DataSource& data,
+absl::Status RunTrainingSteps(const Assignment& a, job::RankJob& rank_job, stage::BatchSource& data,
                               const Writer& write, WorkerMetrics& metrics) {
   const JobSpec& spec = a.spec();
   const bool inference = rank_job.schedule().forward_only;

@@ -10,7 +10,7 @@
 
 #include "absl/status/status.h"
 #include "pipeline/job/rank_job.h"
-#include "pipeline/stage/data_source.h"
+#include "pipeline/stage/batch_source.h"
 #include "proto/coordinator.pb.h"
 #include "worker/result_stream.h"
 #include "worker/worker_metrics.h"
@@ -20,7 +20,7 @@ namespace pippy::worker {
 // Errors: a step's (CANCELLED when the rank was cancelled; UNAVAILABLE or
 // DEADLINE_EXCEEDED when a peer is gone or silent; others naming the step); the
 // result stream's.
-absl::Status RunTrainingSteps(const Assignment& a, job::RankJob& rank_job, const stage::DataSource& data,
+absl::Status RunTrainingSteps(const Assignment& a, job::RankJob& rank_job, stage::BatchSource& data,
                               const Writer& write, WorkerMetrics& metrics);
 
 }  // namespace pippy::worker

@@ -13,6 +13,7 @@
 #include "pipeline/job/job_spec.h"
 #include "pipeline/job/rank_job.h"
 #include "pipeline/stage/data_source.h"
+#include "pipeline/stage/dataset.h"
 #include "pipeline/transport/gloo/gloo_group.h"
 #include "pipeline/transport/nccl/nccl_transport.h"
 #include "torch/csrc/jit/runtime/graph_executor.h"
@@ -176,6 +177,24 @@ void Agent::RunAssignment(ReceivedAssignment in) {
   Finished(a, s);
 }
 
+absl::StatusOr<std::unique_ptr<stage::BatchSource>> Agent::OpenData(const Assignment& a,
+                                                                    const std::vector<std::string>& input_names,
+                                                                    const std::string& share) const {
+  const RankLayout& piece = a.layout();
+  if (!piece.has_dataset()) {
+    PIPPY_ASSIGN_OR_RETURN(stage::DataSource data, stage::DataSource::FromShareBytes(share, input_names));
+    return std::make_unique<stage::DataSource>(std::move(data));
+  }
+  std::vector<int> inputs(piece.model_inputs().begin(), piece.model_inputs().end());
+  PIPPY_ASSIGN_OR_RETURN(std::unique_ptr<stage::Dataset> dataset,
+                         stage::Dataset::Open(a.spec().data().dataset(), piece.dataset(), input_names, inputs,
+                                              piece.targets(), a.spec().batch_size(), a.spec().seed(),
+                                              options_.dataset_roots));
+  log::Info("job={} rank={}: reading the dataset {} ({} shards, {} samples) itself", a.job_id(), a.rank(),
+            a.spec().data().dataset().path(), piece.dataset().shards_size(), piece.dataset().samples());
+  return std::unique_ptr<stage::BatchSource>(std::move(dataset));
+}
+
 std::string Agent::ReplicaHost() const { return options_.replica_host.empty() ? HostName() : options_.replica_host; }
 
 absl::Status Agent::RunRank(ReceivedAssignment in) {
@@ -198,7 +217,7 @@ absl::Status Agent::RunRank(ReceivedAssignment in) {
   PIPPY_ASSIGN_OR_RETURN(LoadedStages stages, LoadStages(std::move(in.stages)));
   std::vector<std::string> input_names;
   for (const ModelValue& v : a.plan().inputs()) input_names.push_back(v.name());
-  PIPPY_ASSIGN_OR_RETURN(stage::DataSource data, stage::DataSource::FromShareBytes(in.data, input_names));
+  PIPPY_ASSIGN_OR_RETURN(std::unique_ptr<stage::BatchSource> data, OpenData(a, input_names, in.data));
   std::string().swap(in.data);
   std::vector<std::pair<std::string, std::string>> ucx_config;
   if (!options_.ucx_tls.empty()) ucx_config = {{"TLS", options_.ucx_tls}};
@@ -237,7 +256,7 @@ absl::Status Agent::RunRank(ReceivedAssignment in) {
   KeepFreedMemory();  // the stages are loaded: from here on, buffers are reused step after step
   const Writer write = [this](const WorkerMessage& m) { return session_->Write(m); };
   if (spec.has_serving()) return RunServing(a, *rank_job, control_, write, metrics_);
-  return RunTrainingSteps(a, *rank_job, data, write, metrics_);
+  return RunTrainingSteps(a, *rank_job, *data, write, metrics_);
 }
 
 absl::Status RunAgent(const AgentOptions& options) {

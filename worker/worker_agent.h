@@ -19,12 +19,14 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 #include <thread>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "c10/core/Device.h"
 #include "common/device.h"
+#include "pipeline/stage/batch_source.h"
 #include "worker/assignment_receiver.h"
 #include "worker/rank_control.h"
 #include "worker/session.h"
@@ -55,6 +57,9 @@ struct AgentOptions {
   // TLS to the coordinator: the CA that signed its certificate; this worker's
   // certificate and key for mTLS (--tls-client-ca on the coordinator). Empty: plain.
   std::string tls_ca, tls_cert, tls_key;
+  // Folders a job's dataset may be read from (--dataset-root; stage/dataset.h). None:
+  // jobs with a dataset fail on this worker, naming the flag.
+  std::vector<std::string> dataset_roots;
 };
 
 // Connects and serves. When the coordinator goes away (it stopped, restarted, or the
@@ -90,6 +95,11 @@ class Agent : public Session::Handler {
   void RunAssignment(ReceivedAssignment in);
   absl::Status RunRank(ReceivedAssignment in);
   std::string ReplicaHost() const;
+  // The rank's batches: its share of the job's data file (`share`), or, for a dataset
+  // job, the dataset read here (stage/dataset.h; under --dataset-root).
+  absl::StatusOr<std::unique_ptr<stage::BatchSource>> OpenData(const Assignment& a,
+                                                               const std::vector<std::string>& input_names,
+                                                               const std::string& share) const;
 
   const AgentOptions options_;
   const Device device_;             // resolved and checked (ProcessDevice)

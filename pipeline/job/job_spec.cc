@@ -32,6 +32,9 @@ absl::StatusOr<LrScheduleKind> ParseLrSchedule(absl::string_view name) {
   return names::Parse<LrScheduleKind>("lr schedule", name);
 }
 std::string LrScheduleName(LrScheduleKind kind) { return names::Name(kind); }
+absl::StatusOr<TokenDtype> ParseTokenDtype(absl::string_view name) {
+  return names::Parse<TokenDtype>("token dtype", name);
+}
 absl::StatusOr<Precision> ParsePrecision(absl::string_view name) { return names::Parse<Precision>("--dtype", name); }
 std::string PrecisionName(Precision precision) {
   return names::Name(precision == PRECISION_UNSPECIFIED ? PRECISION_FP32 : precision);
@@ -86,6 +89,35 @@ absl::Status CheckServing(JobSpec* spec) {
   return absl::OkStatus();
 }
 
+// The data's fields: one source; a dataset's (the coordinator indexes it, and says
+// what is wrong with its files, when it prepares the job).
+absl::Status CheckData(JobSpec* spec) {
+  const DataSpec& data = spec->data();
+  const DatasetSpec& ds = data.dataset();
+  const bool dataset = !ds.path().empty();
+  if (spec->epochs() < 0) return Bad("epochs", "must not be negative");
+  if (spec->epochs() > 0 && spec->steps() > 0) return Bad("epochs", "give steps or epochs, not both");
+  if (spec->epochs() > 0 && !dataset) return Bad("epochs", "epochs are passes over a dataset: give data.dataset");
+  if (!dataset) {
+    if (ds.seq_len() != 0 || ds.shuffle() || ds.token_dtype() != TOKEN_DTYPE_UNSPECIFIED) {
+      return Bad("data.dataset", "seq_len, token_dtype and shuffle are a dataset's: give data.dataset.path");
+    }
+    return absl::OkStatus();
+  }
+  if (!data.file().empty() || !data.synthetic().empty()) {
+    return Bad("data.dataset", "give a dataset, a data file or synthetic data, one of them");
+  }
+  if (spec->has_serving() || spec->mode() == MODE_INFERENCE || spec->schedule().kind() == SCHEDULE_INFERENCE) {
+    return Bad("data.dataset", "datasets are for training jobs (an inference job reads a data file)");
+  }
+  if (ds.path()[0] != '/') {
+    return Bad("data.dataset.path", absl::StrCat("'", ds.path(), "' is not absolute: the workers read it where they run"));
+  }
+  if (ds.seq_len() < 0) return Bad("data.dataset.seq_len", "must not be negative");
+  if (!TokenDtype_IsValid(ds.token_dtype())) return Bad("data.dataset.token_dtype", "use uint16 or uint32");
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status CheckSpec(JobSpec* spec) {
@@ -115,7 +147,10 @@ absl::Status CheckSpec(JobSpec* spec) {
   }
   if (!Precision_IsValid(spec->precision())) return Bad("precision", "use fp32 or bf16");
   if (spec->precision() == PRECISION_UNSPECIFIED) spec->set_precision(PRECISION_FP32);
-  if (spec->steps() < 1 && !spec->has_serving()) return Bad("steps", "must be at least 1");
+  absl::Status data = CheckData(spec);
+  if (!data.ok()) return data;
+  const bool in_epochs = spec->epochs() > 0;  // the steps come when the dataset is indexed
+  if (spec->steps() < 1 && !spec->has_serving() && !in_epochs) return Bad("steps", "must be at least 1");
   if (spec->batch_size() < 1) return Bad("batch_size", "must be at least 1");
   if (spec->replicas() < 0) return Bad("replicas", "must not be negative");
   if (spec->replicas() == 0) spec->set_replicas(1);
@@ -176,7 +211,7 @@ absl::Status CheckSpec(JobSpec* spec) {
     if (o->lr_schedule() == LR_SCHEDULE_UNSPECIFIED) o->set_lr_schedule(LR_SCHEDULE_CONSTANT);
     const bool decays = o->lr_schedule() != LR_SCHEDULE_CONSTANT;
     if (o->warmup_steps() < 0) return Bad("optimizer.warmup_steps", "must not be negative (0: no warm-up)");
-    if (decays && o->warmup_steps() >= spec->steps()) {
+    if (decays && !in_epochs && o->warmup_steps() >= spec->steps()) {
       return Bad("optimizer.warmup_steps", absl::StrCat(o->warmup_steps(), " leaves none of the ", spec->steps(),
                                                         " steps to decay over; use fewer than steps"));
     }

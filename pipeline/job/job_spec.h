@@ -30,6 +30,8 @@ std::string LossName(LossKind loss);
 absl::StatusOr<OptimizerKind> ParseOptimizer(absl::string_view name);
 std::string OptimizerName(OptimizerKind optimizer);
 absl::StatusOr<LrScheduleKind> ParseLrSchedule(absl::string_view name);
+// "uint16" | "uint32" (a token dataset's ids).
+absl::StatusOr<TokenDtype> ParseTokenDtype(absl::string_view name);
 std::string LrScheduleName(LrScheduleKind kind);
 
 // "fp32" | "bf16" (pippyctl's --dtype; see Precision in job.proto).

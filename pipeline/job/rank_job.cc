@@ -64,12 +64,12 @@ absl::StatusOr<std::unique_ptr<RankJob>> RankJob::Create(const JobSpec& spec, co
   return job;
 }
 
-absl::StatusOr<stage::StepResult> RankJob::RunStep(int step, const stage::DataSource& data) {
+absl::StatusOr<stage::StepResult> RankJob::RunStep(int step, stage::BatchSource& data) {
   const int64_t batch = spec_.batch_size();
-  if (schedule_.forward_only) return runtime_->InferenceStep(step, data.Inputs(step, batch));
-  const int replicas = std::max(1, spec_.replicas());
-  return runtime_->TrainStep(step, data.Inputs(step, batch, replica_, replicas),
-                             data.Target(step, batch, replica_, replicas));
+  const int replicas = schedule_.forward_only ? 1 : std::max(1, spec_.replicas());
+  PIPPY_ASSIGN_OR_RETURN(stage::Batch b, data.Read(step, batch, schedule_.forward_only ? 0 : replica_, replicas));
+  if (schedule_.forward_only) return runtime_->InferenceStep(step, b.inputs);
+  return runtime_->TrainStep(step, b.inputs, b.target);
 }
 
 }  // namespace pippy::job

@@ -2,7 +2,7 @@
 // pippy-rank, the benchmarks and the tests. From the checked spec, the plan (or the
 // rank's slice of it), the rank's piece of the job's layout (layout.h: its action list,
 // run as it is, never made again), the rank's stage modules and a transport, it makes
-// the runtime options and the RankRuntime, and runs steps on a DataSource.
+// the runtime options and the RankRuntime, and runs steps on a BatchSource.
 //
 // Thread safety: as RankRuntime (one thread runs steps; Cancel from any thread).
 #ifndef PIPPY_PIPELINE_JOB_RANK_JOB_H_
@@ -14,7 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "pipeline/schedule/schedule.h"
-#include "pipeline/stage/data_source.h"
+#include "pipeline/stage/batch_source.h"
 #include "pipeline/stage/rank_runtime.h"
 #include "pipeline/transport/transport.h"
 #include "proto/job.pb.h"
@@ -55,7 +55,8 @@ class RankJob {
 
   // Step `step` of the job on its batch from `data`: a training step, or forward only
   // for an inference job (the last stage's rank returns the merged output).
-  absl::StatusOr<stage::StepResult> RunStep(int step, const stage::DataSource& data);
+  // Errors: the runtime's, or reading the batch's (a dataset's, naming the shard).
+  absl::StatusOr<stage::StepResult> RunStep(int step, stage::BatchSource& data);
 
   // A serving job's step: forward only on `inputs` (forward()'s arguments, None where
   // this rank reads none; any number of rows). See RankRuntime::InferenceStep, whose

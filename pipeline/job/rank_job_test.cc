@@ -5,6 +5,7 @@
 // generator comes back; bad state bytes are DATA_LOSS.
 #include "pipeline/job/layout.h"
 #include "pipeline/job/rank_job.h"
+#include "pipeline/stage/data_source.h"
 
 #include <thread>
 
@@ -66,7 +67,7 @@ void MakeRanks(const JobSpec& spec, const PipelinePlan& plan, const std::vector<
   }
 }
 
-void RunSteps(Ranks& ranks, int from, int to, const stage::DataSource& data) {
+void RunSteps(Ranks& ranks, int from, int to, stage::DataSource& data) {
   std::vector<std::thread> threads;
   std::vector<absl::Status> errors(2);
   for (int r = 0; r < 2; ++r) {

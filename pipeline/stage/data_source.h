@@ -14,11 +14,12 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "pipeline/stage/batch_source.h"
 #include "torch/script.h"
 
 namespace pippy::stage {
 
-class DataSource {
+class DataSource : public BatchSource {
  public:
   // A data file as users write it; `argument_names` are forward()'s arguments.
   // Errors: INVALID_ARGUMENT naming what is wrong (not a torch.save file, no "inputs",
@@ -56,6 +57,11 @@ class DataSource {
   // them (REQUIRES: batch % replicas == 0).
   std::vector<c10::IValue> Inputs(int64_t step, int64_t batch, int replica = 0, int replicas = 1) const;
   c10::IValue Target(int64_t step, int64_t batch, int replica = 0, int replicas = 1) const;
+
+  // Inputs and Target as a BatchSource (never an error).
+  absl::StatusOr<Batch> Read(int64_t step, int64_t batch, int replica, int replicas) override {
+    return Batch{Inputs(step, batch, replica, replicas), Target(step, batch, replica, replicas)};
+  }
 
  private:
   std::vector<std::string> names_;

@@ -29,6 +29,7 @@
 #include "pipeline/partition/sequential_runner.h"
 #include "pipeline/schedule/schedule.h"
 #include "pipeline/schedule/simulator.h"
+#include "pipeline/stage/data_source.h"
 #include "pipeline/stage/rank_runtime.h"
 #include "pipeline/stage/testing/reference_training.h"
 #include "pipeline/transport/loopback/loopback_transport.h"

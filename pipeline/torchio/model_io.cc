@@ -366,27 +366,7 @@ absl::StatusOr<c10::IValue> LoadPickled(absl::string_view bytes, const std::stri
       storages->addStorage(name.substr(5), c10::Storage(c10::Storage::use_byte_size_t(), size, std::move(data),
                                                         /*allocator=*/nullptr, /*resizable=*/false));
     }
-    // Untrusted: no type tag reaches LibTorch's type parser (the scan allows none).
-    auto no_types = [](const std::string& type) -> c10::TypePtr {
-      throw std::runtime_error("type tags are not accepted in a request: " + type.substr(0, 64));
-    };
-    c10::TypePtr (*parser)(const std::string&) = limits != nullptr ? +no_types : torch::jit::Unpickler::defaultTypeParser;
-    // As torch::jit::readArchiveAndTensors, from the (rewritten) pickle.
-    size_t read = 0;
-    const std::string& p = *pickle;
-    auto next = [&](char* buffer, size_t len) -> size_t {
-      const size_t n = std::min(len, p.size() - read);
-      if (n == 0) return 0;
-      std::memcpy(buffer, p.data() + read, n);
-      read += n;
-      return n;
-    };
-    auto missing = [](const std::string& key) -> at::DataPtr {
-      throw std::runtime_error("the pickle refers to storage '" + key.substr(0, 64) + "', which the file lacks");
-    };
-    torch::jit::Unpickler unpickler(next, nullptr, nullptr, missing, c10::nullopt, false, parser, storages);
-    unpickler.set_version(reader.version());
-    return unpickler.parse_ivalue();
+    return UnpickleWithStorages(*pickle, reader.version(), storages, /*untrusted=*/limits != nullptr);
   }));
   PIPPY_RETURN_IF_ERROR(scanned);
   PIPPY_RETURN_IF_ERROR(CheckTensorsInStorage(value, what));
@@ -394,6 +374,31 @@ absl::StatusOr<c10::IValue> LoadPickled(absl::string_view bytes, const std::stri
 }
 
 }  // namespace
+
+c10::IValue UnpickleWithStorages(const std::string& pickle, uint64_t version,
+                                 std::shared_ptr<torch::jit::DeserializationStorageContext> storages,
+                                 bool untrusted) {
+  // Untrusted: no type tag reaches LibTorch's type parser (the scan allows none).
+  auto no_types = [](const std::string& type) -> c10::TypePtr {
+    throw std::runtime_error("type tags are not accepted in a request: " + type.substr(0, 64));
+  };
+  c10::TypePtr (*parser)(const std::string&) = untrusted ? +no_types : torch::jit::Unpickler::defaultTypeParser;
+  // As torch::jit::readArchiveAndTensors, from the (rewritten) pickle.
+  size_t read = 0;
+  auto next = [&](char* buffer, size_t len) -> size_t {
+    const size_t n = std::min(len, pickle.size() - read);
+    if (n == 0) return 0;
+    std::memcpy(buffer, pickle.data() + read, n);
+    read += n;
+    return n;
+  };
+  auto missing = [](const std::string& key) -> at::DataPtr {
+    throw std::runtime_error("the pickle refers to storage '" + key.substr(0, 64) + "', which the file lacks");
+  };
+  torch::jit::Unpickler unpickler(next, nullptr, nullptr, missing, c10::nullopt, false, parser, std::move(storages));
+  unpickler.set_version(version);
+  return unpickler.parse_ivalue();
+}
 
 absl::Status CheckRowTensor(const at::Tensor& t, const std::string& what) {
   if (t.dim() == 0) return absl::InvalidArgumentError(absl::StrCat(what, " is a scalar; rows go along dim 0"));

@@ -15,6 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "pipeline/torchio/pickle_scan.h"
+#include "torch/csrc/jit/serialization/storage_context.h"
 #include "torch/script.h"
 
 namespace pippy::torchio {
@@ -66,6 +67,13 @@ absl::StatusOr<c10::IValue> PickleLoad(absl::string_view bytes, const std::strin
 // and no type tag reaches LibTorch's type parser. Errors: INVALID_ARGUMENT with `what`.
 absl::StatusOr<c10::IValue> PickleLoadUntrusted(absl::string_view bytes, const std::string& what,
                                                 const PickleLimits& limits = {});
+
+// The value of a torch.save pickle (as PickleForLibTorch returns it), its storages
+// taken by key from `storages`; `untrusted`: no type tag reaches LibTorch's type
+// parser. For this library's loaders: it throws as LibTorch does (call it in TorchCall).
+c10::IValue UnpickleWithStorages(const std::string& pickle, uint64_t version,
+                                 std::shared_ptr<torch::jit::DeserializationStorageContext> storages,
+                                 bool untrusted);
 
 // A tensor of samples (data files) or rows (serving requests), as pippy accepts them:
 // at least one dimension (rows along dim 0), dense, on the CPU, of a plain dtype (not

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <fstream>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -29,7 +30,9 @@ uint64_t Le(const unsigned char* p, int n) {
 // Each record's size by name (without the archive's top folder), from the zip's
 // central directory (zip64 too), read without reading the records. Errors: UNKNOWN for
 // a directory that does not parse; INVALID_ARGUMENT for a record named twice.
-absl::StatusOr<std::map<std::string, uint64_t>> RecordSizes(const std::string& path, const std::string& name) {
+// `compressed` (if set) gets the records stored compressed (torch.save never does).
+absl::StatusOr<std::map<std::string, uint64_t>> RecordSizes(const std::string& path, const std::string& name,
+                                                            std::set<std::string>* compressed = nullptr) {
   // A directory that does not parse (not a zip, truncated): UNKNOWN, for the whole
   // loader to say what the file is; a record listed twice: refused here.
   auto bad = [&](const std::string& why) {
@@ -73,6 +76,7 @@ absl::StatusOr<std::map<std::string, uint64_t>> RecordSizes(const std::string& p
   for (uint64_t e = 0; e < entries; ++e) {
     if (at + 46 > dir.size() || Le(d + at, 4) != 0x02014b50) return bad("a central directory entry that does not parse");
     uint64_t record_size = Le(d + at + 24, 4);
+    const uint64_t method = Le(d + at + 10, 2);
     const size_t name_len = Le(d + at + 28, 2), extra_len = Le(d + at + 30, 2), comment_len = Le(d + at + 32, 2);
     if (at + 46 + name_len + extra_len + comment_len > dir.size()) return bad("a central directory entry past its end");
     std::string record(dir.data() + at + 46, name_len);
@@ -85,6 +89,7 @@ absl::StatusOr<std::map<std::string, uint64_t>> RecordSizes(const std::string& p
     }
     const size_t slash = record.find('/');
     if (slash != std::string::npos) record = record.substr(slash + 1);
+    if (method != 0 && compressed != nullptr) compressed->insert(record);
     if (!out.emplace(record, record_size).second) {
       return absl::InvalidArgumentError(absl::StrCat("'", name, "' is corrupt (the record ", record,
                                                      " is listed twice): copy the file again, or save the model "
@@ -223,6 +228,58 @@ void ModelRecords::Dematerialize(const torch::jit::Module& module) {
   }
   for (const auto& [key, storage] : lent_) key_of_.erase(storage.unsafeGetStorageImpl());
   lent_.clear();
+}
+
+absl::StatusOr<SavedSkeleton> LoadSavedSkeleton(const std::string& path, const std::string& what) {
+  auto bad = [&](const std::string& why) { return absl::InvalidArgumentError(absl::StrCat(what, ": ", why)); };
+  {
+    std::ifstream f(path, std::ios::binary);
+    char magic[4] = {};
+    if (!f.read(magic, 4) || std::memcmp(magic, "PK\x03\x04", 4) != 0) {
+      return bad("not a file written by torch.save (expected its zip format; in Python: torch.save(value, path))");
+    }
+  }
+  std::set<std::string> compressed;
+  absl::StatusOr<std::map<std::string, uint64_t>> sizes = RecordSizes(path, what, &compressed);
+  if (!sizes.ok()) return bad(std::string(sizes.status().message()));
+  SavedSkeleton out;
+  absl::Status scanned = absl::OkStatus();
+  PIPPY_ASSIGN_OR_RETURN(out.value, TorchCall(what, [&]() -> c10::IValue {
+    caffe2::serialize::PyTorchStreamReader reader(std::make_shared<caffe2::serialize::FileAdapter>(path));
+    if (!reader.hasRecord("data.pkl")) {
+      scanned = bad("not a torch.save file (no data.pkl record)");
+      return c10::IValue();
+    }
+    auto [pkl, pkl_size] = reader.getRecord("data.pkl");
+    PickleLimits limits;
+    limits.max_bytes = 1 << 20;
+    absl::StatusOr<std::string> pickle =
+        PickleForLibTorch(absl::string_view(static_cast<const char*>(pkl.get()), pkl_size), what, &limits);
+    if (!pickle.ok()) {
+      scanned = pickle.status();
+      return c10::IValue();
+    }
+    // Every storage claims its record's size and points at no data: 8 bytes shared by
+    // all, which nothing reads (the dataset preads rows from the records' offsets).
+    static char kNoData[8];
+    auto storages = std::make_shared<torch::jit::DeserializationStorageContext>();
+    for (const auto& [record, size] : *sizes) {
+      if (!absl::StartsWith(record, kDataDir)) continue;
+      if (compressed.count(record) > 0) {
+        scanned = bad(absl::StrCat("its record ", record, " is compressed; write the file with torch.save"));
+        return c10::IValue();
+      }
+      c10::Storage storage(c10::Storage::use_byte_size_t(), size, c10::DataPtr(kNoData, c10::Device(c10::kCPU)),
+                           /*allocator=*/nullptr, /*resizable=*/false);
+      out.records[storage.unsafeGetStorageImpl()] = SavedSkeleton::Record{
+          static_cast<int64_t>(reader.getRecordOffset(record)), static_cast<int64_t>(size)};
+      storages->addStorage(record.substr(sizeof(kDataDir) - 1), storage);
+    }
+    return UnpickleWithStorages(*pickle, reader.version(), storages, /*untrusted=*/true);
+  }));
+  PIPPY_RETURN_IF_ERROR(scanned);
+  PIPPY_RETURN_IF_ERROR(CheckTensorsInStorage(out.value, what));
+  return out;
 }
 
 }  // namespace pippy::torchio

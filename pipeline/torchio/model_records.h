@@ -72,6 +72,26 @@ class ModelRecords {
   std::map<int64_t, std::string> name_of_;             // a tensor that uses the key, for messages
 };
 
+// A torch.save file's value with every tensor's data left in the file: where each
+// storage's bytes lie, so that a reader can take rows of a tensor with pread (a
+// dataset's tensor shard, pipeline/stage/dataset.h). The tensors have their real
+// dtype, sizes, strides and storage offset, and storages that claim their real size
+// but hold no data: never read them.
+struct SavedSkeleton {
+  c10::IValue value;
+  struct Record {
+    int64_t offset = 0;  // of the storage's first byte in the file
+    int64_t bytes = 0;   // the record's size (at least what the storage claims)
+  };
+  std::map<const c10::StorageImpl*, Record> records;
+};
+
+// Reads `path`'s zip directory and pickle (checked as an untrusted pickle is:
+// pickle_scan.h), no tensor data. Errors: INVALID_ARGUMENT starting with `what`:
+// not a torch.save file, a hostile pickle, a storage whose record is missing, shorter
+// than its tensor claims, or compressed.
+absl::StatusOr<SavedSkeleton> LoadSavedSkeleton(const std::string& path, const std::string& what);
+
 }  // namespace pippy::torchio
 
 #endif  // PIPPY_PIPELINE_TORCHIO_MODEL_RECORDS_H_

@@ -7,6 +7,8 @@ usage: check_training.py MODEL.pt DATA.pt TRAINED.pt --steps N --batch-size B
                          [--tolerance 1e-4] [--dtype fp32|bf16] [--device cpu|cuda]
                          [--losses JOB.json --loss-tolerance 0.01]
                          [--lr-schedule constant|linear|cosine --warmup-steps W --min-lr X]
+       check_training.py MODEL.pt - TRAINED.pt --dataset DIR --seq-len L [--token-dtype uint16]
+                         [--shuffle on|off --seed S] ...
 
 The reference: torch.jit.load(MODEL) trained with torch.optim for N steps; step k uses
 samples [k*B, (k+1)*B) of DATA (wrapping), with gradients accumulated over M equal
@@ -18,6 +20,11 @@ the reference trains on the GPU (TF32 off, as pippy's fp32 jobs).
 SequentialLR([LambdaLR(lambda s: (s + 1) / W), CosineAnnealingLR(T_max=N - W,
 eta_min=min_lr)], milestones=[W]); linear: LinearLR(start_factor=1, end_factor=min_lr /
 lr, total_iters=N - W) in its place; constant, W > 0: LambdaLR(lambda s: min(1, (s + 1) / W))).
+--dataset: the batches of a token dataset (docs/data.md), read here with numpy from the
+shards (*.bin in name order, one stream): sample i the window of L + 1 tokens at i x L,
+epochs of (T - 1) // L samples with the last partial batch dropped, each epoch in order
+or, with --shuffle on, in the order of the documented permutation (written here in
+Python from docs/data.md, not taken from pippy).
 --losses: `pippyctl status JOB --output json`; its per-step losses must be within
 --loss-tolerance (relative) of the reference's.
 Prints the max relative difference over all parameters; exit 1 if above tolerance.
@@ -25,6 +32,7 @@ Prints the max relative difference over all parameters; exit 1 if above toleranc
 import argparse
 import contextlib
 import json
+import os
 import sys
 import warnings
 
@@ -34,6 +42,53 @@ import torch.nn.functional as F
 
 def rows(step, batch, n):
     return torch.arange(step * batch, (step + 1) * batch) % n
+
+
+M64 = (1 << 64) - 1
+
+
+def mix(z):
+    z = (z + 0x9E3779B97F4A7C15) & M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
+def permuted(i, n, seed, epoch):
+    """docs/data.md's permutation of epoch `epoch`: a 4-round Feistel network, cycle-walked."""
+    h = max(1, ((n - 1).bit_length() + 1) // 2)
+    m = (1 << h) - 1
+    key = mix(seed ^ mix(epoch))
+    x = i
+    while True:
+        left, right = x >> h, x & m
+        for k in range(4):
+            left, right = right, left ^ (mix(((key + k) & M64) ^ right) & m)
+        x = (left << h) | right
+        if x < n:
+            return x
+
+
+class TokenBatches:
+    """A token dataset's batches as docs/data.md defines them."""
+
+    def __init__(self, folder, seq_len, dtype, shuffle, seed, batch):
+        import glob
+        import numpy as np
+        files = sorted(glob.glob(os.path.join(folder, "*.bin")))
+        self.tokens = np.concatenate([np.memmap(f, dtype=dtype, mode="r") for f in files])
+        self.L, self.shuffle, self.seed, self.batch = seq_len, shuffle, seed, batch
+        self.samples = (len(self.tokens) - 1) // seq_len
+        self.per_epoch = self.samples // batch
+
+    def __call__(self, step):
+        epoch, first = step // self.per_epoch, (step % self.per_epoch) * self.batch
+        idx = [first + j for j in range(self.batch)]
+        if self.shuffle:
+            idx = [permuted(i, self.samples, self.seed, epoch) for i in idx]
+        windows = torch.stack([torch.from_numpy(self.tokens[i * self.L:(i + 1) * self.L + 1].astype("int64"))
+                               for i in idx])
+        return [windows[:, :-1].contiguous()], windows[:, 1:].contiguous()
 
 
 def take(v, idx):
@@ -62,6 +117,11 @@ def main():
     ap.add_argument("--lr-schedule", choices=["constant", "linear", "cosine"], default="constant")
     ap.add_argument("--warmup-steps", type=int, default=0)
     ap.add_argument("--min-lr", type=float, default=0.0)
+    ap.add_argument("--dataset", help="a token dataset folder (DATA is then '-')")
+    ap.add_argument("--seq-len", type=int, default=0)
+    ap.add_argument("--token-dtype", choices=["uint16", "uint32"], default="uint16")
+    ap.add_argument("--shuffle", choices=["on", "off"], default="off")
+    ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     torch.set_num_threads(1)
     if a.dtype == "bf16":
@@ -74,14 +134,21 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     model = torch.jit.load(a.model, map_location=device)
-    data = torch.load(a.data, map_location=device)
-    inputs, targets = data["inputs"], data["targets"]
-    names = [arg.name for arg in model.forward.schema.arguments[1:]]
-    if isinstance(inputs, dict):
-        inputs = [inputs[n] for n in names]
-    elif not isinstance(inputs, (tuple, list)) or len(names) == 1:
-        inputs = [inputs]
-    n = next(t.shape[0] for t in inputs if isinstance(t, torch.Tensor))
+    if a.dataset:
+        get_batch = TokenBatches(a.dataset, a.seq_len, a.token_dtype, a.shuffle == "on", a.seed, a.batch_size)
+    else:
+        data = torch.load(a.data, map_location=device)
+        inputs, targets = data["inputs"], data["targets"]
+        names = [arg.name for arg in model.forward.schema.arguments[1:]]
+        if isinstance(inputs, dict):
+            inputs = [inputs[n] for n in names]
+        elif not isinstance(inputs, (tuple, list)) or len(names) == 1:
+            inputs = [inputs]
+        n = next(t.shape[0] for t in inputs if isinstance(t, torch.Tensor))
+
+        def get_batch(step):
+            idx = rows(step, a.batch_size, n)
+            return [take(t, idx) for t in inputs], take(targets, idx)
     params = list(model.parameters())  # tied weights appear once
     wd = {} if a.weight_decay is None else {"weight_decay": a.weight_decay}
     if a.optimizer == "sgd":
@@ -128,9 +195,9 @@ def main():
     m = a.microbatches
     losses = []
     for step in range(a.steps):
-        idx = rows(step, a.batch_size, n)
-        batch = [take(t, idx) for t in inputs]
-        tgt = take(targets, idx)
+        batch, tgt = get_batch(step)
+        batch = [t.to(device) if isinstance(t, torch.Tensor) else t for t in batch]
+        tgt = tgt.to(device)
         chunks = [t.chunk(m, 0) if isinstance(t, torch.Tensor) else [t] * m for t in batch]
         tchunks = tgt.chunk(m, 0)
         total = 0.0
