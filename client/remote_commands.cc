@@ -176,6 +176,18 @@ void PrintJob(const Job& j) {
   std::cout << "\n  model " << HumanBytes(static_cast<double>(j.model_bytes()));
   if (!j.spec().data().file().empty()) std::cout << ", data " << j.spec().data().file();
   if (!j.spec().data().synthetic().empty()) std::cout << ", synthetic data " << j.spec().data().synthetic();
+  if (const DatasetSpec& ds = j.spec().data().dataset(); !ds.path().empty()) {
+    const DatasetSummary& d = j.dataset();
+    std::cout << "\n  dataset " << ds.path() << ": " << d.shards() << (d.tokens() ? " token shards" : " tensor shards")
+              << ", " << d.samples() << " samples";
+    if (d.tokens()) std::cout << " of " << ds.seq_len() << " tokens";
+    std::cout << ", shuffle " << (ds.shuffle() ? "on" : "off");
+    if (d.steps_per_epoch() > 0) {
+      const int64_t epochs = (j.spec().steps() + d.steps_per_epoch() - 1) / d.steps_per_epoch();
+      std::cout << ", epoch " << std::min<int64_t>(epochs, j.step() / d.steps_per_epoch() + 1) << "/" << epochs << " ("
+                << d.steps_per_epoch() << " steps each)";
+    }
+  }
   if (j.stage_file_bytes_size() > 0) {
     std::vector<std::string> sizes;
     for (int64_t b : j.stage_file_bytes()) sizes.push_back(HumanBytes(static_cast<double>(b)));

@@ -46,6 +46,15 @@ void JobRun::SetLayout(JobLayout layout) {
   rank_memory_.clear();
   for (int g = 0; g < ranks(); ++g) rank_memory_.push_back(layout_.ranks(g % ranks_per_replica()).memory_bytes());
   job_.set_num_stages(job_.plan().stages_size());  // records of older coordinators lack it
+  if (layout_.has_dataset()) {
+    const DatasetLayout& d = layout_.dataset();
+    DatasetSummary* summary = job_.mutable_dataset();
+    summary->set_samples(d.samples());
+    summary->set_steps_per_epoch(d.steps_per_epoch());
+    summary->set_epochs(d.epochs());
+    summary->set_shards(d.shards_size());
+    summary->set_tokens(d.tokens());
+  }
 }
 
 JobRun::JobRun(Stores stores, Job job, JobLayout layout, std::vector<int64_t> share_bytes,

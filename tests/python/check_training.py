@@ -75,19 +75,30 @@ class TokenBatches:
     def __init__(self, folder, seq_len, dtype, shuffle, seed, batch):
         import glob
         import numpy as np
-        files = sorted(glob.glob(os.path.join(folder, "*.bin")))
-        self.tokens = np.concatenate([np.memmap(f, dtype=dtype, mode="r") for f in files])
+        self.np = np
+        self.shards = [np.memmap(f, dtype=dtype, mode="r") for f in sorted(glob.glob(os.path.join(folder, "*.bin")))]
+        self.starts = np.cumsum([0] + [len(s) for s in self.shards])
         self.L, self.shuffle, self.seed, self.batch = seq_len, shuffle, seed, batch
-        self.samples = (len(self.tokens) - 1) // seq_len
+        self.samples = (int(self.starts[-1]) - 1) // seq_len
         self.per_epoch = self.samples // batch
+
+    def window(self, first, n):
+        """Tokens [first, first + n) of the stream, across shards."""
+        parts = []
+        while n > 0:
+            s = int(self.np.searchsorted(self.starts, first, side="right")) - 1
+            at = first - int(self.starts[s])
+            part = self.shards[s][at:at + n]
+            parts.append(part.astype("int64"))
+            first, n = first + len(part), n - len(part)
+        return self.np.concatenate(parts)
 
     def __call__(self, step):
         epoch, first = step // self.per_epoch, (step % self.per_epoch) * self.batch
         idx = [first + j for j in range(self.batch)]
         if self.shuffle:
             idx = [permuted(i, self.samples, self.seed, epoch) for i in idx]
-        windows = torch.stack([torch.from_numpy(self.tokens[i * self.L:(i + 1) * self.L + 1].astype("int64"))
-                               for i in idx])
+        windows = torch.stack([torch.from_numpy(self.window(i * self.L, self.L + 1)) for i in idx])
         return [windows[:, :-1].contiguous()], windows[:, 1:].contiguous()
 
 
