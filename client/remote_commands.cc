@@ -90,6 +90,7 @@ absl::Status InCliWords(const absl::Status& s, const std::string& model, const s
       {"data.dataset.seq_len", "--seq-len"},
       {"data.dataset.token_dtype", "--token-dtype"},
       {"data.dataset", "--dataset"},
+      {"resume_from", "--resume-from"},
       {"batch_size", "--batch-size"},
   };
   static const std::pair<const char*, const char*> kLeading[] = {
@@ -172,6 +173,13 @@ void PrintJob(const Job& j) {
   }
   if (j.samples_per_second() > 0) {
     std::cout << absl::StrFormat(", %.0f samples/s, bubble %.0f%%", j.samples_per_second(), 100 * j.bubble_fraction());
+  }
+  if (!j.spec().resume_from().empty()) {
+    std::cout << "\n  resumed from " << j.spec().resume_from() << " after step " << j.resumed_step();
+  }
+  if (j.checkpoint_step() > 0 && j.spec().mode() == MODE_TRAIN) {
+    std::cout << (j.spec().resume_from().empty() ? "\n  " : "; ") << "checkpoint after step " << j.checkpoint_step();
+    if (IsTerminal(j.state())) std::cout << " kept (fetch --checkpoint, submit --resume-from " << j.job_id() << ")";
   }
   std::cout << "\n  model " << HumanBytes(static_cast<double>(j.model_bytes()));
   if (!j.spec().data().file().empty()) std::cout << ", data " << j.spec().data().file();
@@ -398,7 +406,7 @@ absl::Status SetPrecision(const std::string& dtype, JobSpec* spec) {
 
 struct SubmitFlags {
   std::string model, data, synthetic, name, dtype = "fp32";
-  std::string dataset, token_dtype, shuffle = "off";
+  std::string dataset, token_dtype, shuffle = "off", resume_from;
   int seq_len = 0, epochs = 0;
   SplitFlags split;
   std::string schedule, loss, optimizer, lr_schedule;
@@ -455,6 +463,7 @@ absl::StatusOr<JobSpec> SpecFrom(const SubmitFlags& f) {
   }
   spec.set_steps(f.steps.value_or(f.epochs > 0 ? 0 : 1));
   spec.set_epochs(f.epochs);
+  spec.set_resume_from(f.resume_from);
   spec.set_batch_size(f.batch_size);
   if (!f.data.empty()) spec.mutable_data()->set_file(std::filesystem::path(f.data).filename().string());
   spec.mutable_data()->set_synthetic(f.synthetic);
@@ -625,9 +634,14 @@ void AddSubmit(CLI::App& root, const GlobalFlags& g, int* exit_code) {
                   "data parallelism: R copies of the pipeline (R x the workers), each training on a contiguous R-th "
                   "of every batch, gradients averaged (gloo) before the optimizer steps")
       ->check(cli::Positive())->capture_default_str();
+  cmd->add_option("--resume-from", f->resume_from,
+                  "start from job JOB's last checkpoint (its parameters, optimizer state, random generators and step): "
+                  "the same model and split, with --steps counting the whole run; the learning-rate schedule and "
+                  "the dataset's order go on from that step");
   cmd->add_option("--checkpoint-every", f->checkpoint_every,
                   "checkpoint the training state every N steps, so that a lost worker or coordinator costs at "
-                  "most N steps (default 50; 0: none, a restart begins at step 0)")
+                  "most N steps (default 50; 0: none, a restart begins at step 0); the last one, and the state "
+                  "after the last step, stay once the job ended (fetch --checkpoint, --resume-from)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--max-restarts", f->max_restarts,
                   "restarts from the last checkpoint after losing a worker before the job fails (default 3)")
@@ -940,12 +954,13 @@ int RunWatch(const std::string& job_id, const GlobalFlags& g) {
   return JobExitCode(*j);
 }
 
-int RunFetch(const std::string& job_id, const std::string& out, const GlobalFlags& g) {
+int RunFetch(const std::string& job_id, const std::string& out, bool checkpoint, const GlobalFlags& g) {
   auto stub = Connect(g);
   grpc::ClientContext ctx;
   Authorize(&ctx, g);
   FetchModelRequest r;
   r.set_job_id(job_id);
+  r.set_checkpoint(checkpoint);
   auto reader = stub->FetchModel(&ctx, r);
   // Chunks go to a temporary file beside OUT, renamed into place once all arrived.
   const std::string tmp = out + ".part";
@@ -978,8 +993,8 @@ int RunFetch(const std::string& job_id, const std::string& out, const GlobalFlag
     std::cout << "{\"job_id\": " << JsonString(job_id) << ", \"path\": " << JsonString(out) << ", \"bytes\": " << bytes
               << "}\n";
   } else {
-    std::cout << "wrote the result of " << job_id << " to " << out << " (" << HumanBytes(static_cast<double>(bytes))
-              << ")\n";
+    std::cout << "wrote " << (checkpoint ? "the last checkpoint of " : "the result of ") << job_id << " to " << out
+              << " (" << HumanBytes(static_cast<double>(bytes)) << ")\n";
   }
   return kExitOk;
 }
@@ -1171,8 +1186,12 @@ void AddRemoteCommands(CLI::App& root, const GlobalFlags& globals, int* exit_cod
                              "Download a finished job's result: the trained model (ONE TorchScript file like the "
                              "submitted one) or an inference job's outputs (a torch.save file)");
   fetch->add_option("-o,--out", *out, "where to write it")->required();
-  fetch->callback([g, job_id, out, exit_code] {
-    *exit_code = OnJob(*job_id, *g, [&](const std::string& id) { return RunFetch(id, *out, *g); });
+  auto checkpoint = std::make_shared<bool>(false);
+  fetch->add_flag("--checkpoint", *checkpoint,
+                  "the job's last checkpoint instead, as one TorchScript model: of a running, cancelled, failed or "
+                  "succeeded training job");
+  fetch->callback([g, job_id, out, checkpoint, exit_code] {
+    *exit_code = OnJob(*job_id, *g, [&](const std::string& id) { return RunFetch(id, *out, *checkpoint, *g); });
   });
   auto trace_out = std::make_shared<std::string>();
   auto trace_step = std::make_shared<int>(-1);

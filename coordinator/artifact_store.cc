@@ -216,9 +216,16 @@ void ArtifactStore::RemoveAllOf(const std::string& job_id) {
   RemoveJobFiles(job_id);
   std::error_code ec;
   fs::remove(FetchPath(job_id), ec);
+  const std::string merged = job_id + ".checkpoint-";
+  for (fs::directory_iterator d(state_dir_ + "/models", ec), end; !ec && d != end; d.increment(ec)) {
+    if (d->path().filename().string().rfind(merged, 0) == 0) {
+      std::error_code rm;
+      fs::remove(d->path(), rm);
+    }
+  }
 }
 
-void ArtifactStore::RemoveJobFiles(const std::string& job_id) {
+void ArtifactStore::RemoveJobFiles(const std::string& job_id, int keep_checkpoint) {
   {
     absl::MutexLock lock(&mu_);
     for (auto it = open_.begin(); it != open_.end();) {
@@ -234,8 +241,105 @@ void ArtifactStore::RemoveJobFiles(const std::string& job_id) {
     }
   }
   std::error_code ec;
-  fs::remove_all(JobDir(job_id), ec);
-  if (ec) log::Warn("job={} could not remove '{}': {}", job_id, JobDir(job_id), ec.message());
+  if (keep_checkpoint <= 0) {
+    fs::remove_all(JobDir(job_id), ec);
+    if (ec) log::Warn("job={} could not remove '{}': {}", job_id, JobDir(job_id), ec.message());
+    return;
+  }
+  const std::string keep[] = {ModelPath(job_id), CheckpointDir(job_id, keep_checkpoint)};
+  for (fs::directory_iterator d(JobDir(job_id), ec), end; !ec && d != end; d.increment(ec)) {
+    const std::string path = d->path().string();
+    if (path == keep[0] || path == keep[1]) continue;
+    std::error_code rm;
+    fs::remove_all(d->path(), rm);
+    if (rm) log::Warn("job={} could not remove '{}': {}", job_id, path, rm.message());
+  }
+}
+
+namespace {
+
+// `to` becomes another name of `from` (a copy where links cannot cross file systems).
+absl::Status LinkOrCopy(const std::string& from, const std::string& to) {
+  std::error_code ec;
+  if (!fs::exists(from, ec)) return absl::NotFoundError(absl::StrCat("'", from, "' is missing"));
+  fs::remove(to, ec);
+  fs::create_hard_link(from, to, ec);
+  if (!ec) return absl::OkStatus();
+  ec.clear();
+  fs::copy_file(from, to, fs::copy_options::overwrite_existing, ec);
+  if (ec) return absl::UnavailableError(absl::StrCat("cannot copy '", from, "' to '", to, "': ", ec.message()));
+  return SyncPath(to);
+}
+
+absl::Status MakeDir(const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return absl::UnavailableError(absl::StrCat("cannot create '", dir, "': ", ec.message()));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ArtifactStore::CheckpointFromResults(const std::string& job_id, int step, int stages) {
+  PIPPY_RETURN_IF_ERROR(MakeDir(CheckpointDir(job_id, step)));
+  for (int st = 0; st < stages; ++st) {
+    PIPPY_RETURN_IF_ERROR(LinkOrCopy(ResultPath(job_id, st), CheckpointStagePath(job_id, step, st)));
+  }
+  return SyncCheckpoint(job_id, step);
+}
+
+absl::Status ArtifactStore::LinkCheckpoint(const std::string& from, int step, const std::string& to, int stages,
+                                           int ranks) {
+  PIPPY_RETURN_IF_ERROR(MakeDir(CheckpointDir(to, step)));
+  for (int st = 0; st < stages; ++st) {
+    PIPPY_RETURN_IF_ERROR(LinkOrCopy(CheckpointStagePath(from, step, st), CheckpointStagePath(to, step, st)));
+  }
+  for (int r = 0; r < ranks; ++r) {
+    PIPPY_RETURN_IF_ERROR(LinkOrCopy(CheckpointStatePath(from, step, r), CheckpointStatePath(to, step, r)));
+  }
+  return SyncCheckpoint(to, step);
+}
+
+absl::StatusOr<std::string> ArtifactStore::StageCheckpointForMerge(const std::string& job_id, int step, int stages) {
+  const std::string dir = absl::StrCat(JobDir(job_id), "/fetch-", step);
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+  PIPPY_RETURN_IF_ERROR(MakeDir(dir));
+  absl::Status s = LinkOrCopy(ModelPath(job_id), dir + "/model.pt");
+  for (int st = 0; s.ok() && st < stages; ++st) {
+    s = LinkOrCopy(CheckpointStagePath(job_id, step, st), absl::StrCat(dir, "/result_", st, ".pt"));
+  }
+  if (!s.ok()) {
+    fs::remove_all(dir, ec);
+    return s;
+  }
+  return dir;
+}
+
+void ArtifactStore::RemoveMergeDir(const std::string& merge_dir) {
+  std::error_code ec;
+  fs::remove_all(merge_dir, ec);
+}
+
+absl::Status ArtifactStore::PublishCheckpoint(const std::string& job_id, int step, const std::string& path,
+                                              const std::string& merge_dir) {
+  std::error_code ec;
+  const std::string merged = job_id + ".checkpoint-";
+  for (fs::directory_iterator d(state_dir_ + "/models", ec), end; !ec && d != end; d.increment(ec)) {
+    if (d->path().filename().string().rfind(merged, 0) == 0) {
+      std::error_code rm;
+      fs::remove(d->path(), rm);
+    }
+  }
+  ec.clear();
+  fs::rename(path, CheckpointFetchPath(job_id, step), ec);
+  std::error_code rm;
+  fs::remove_all(merge_dir, rm);
+  if (ec) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot move '", path, "' to '", CheckpointFetchPath(job_id, step), "': ", ec.message()));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ArtifactStore::StreamFile(const std::string& path, size_t chunk_bytes,

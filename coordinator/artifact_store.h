@@ -12,8 +12,13 @@
 //                           a checkpoint after k steps: each stage's TorchScript with its
 //                           trained parameters, each rank's training state. Every file is
 //                           written to a .tmp name, fsynced and renamed; the job record
-//                           (JobStore) naming step k commits it; older ones are removed
+//                           (JobStore) naming step k commits it; older ones are removed.
+//                           A training job's last one (and model.pt) stays once the job
+//                           ended, until it is deleted; a succeeded job's is the state
+//                           after its last step (result_<s>.pt linked in as its stages)
+//   jobs/<job>/fetch-<k>/   a checkpoint being merged into one model (links)
 //   models/<job>.pt         what FetchModel serves: the trained model or the outputs
+//   models/<job>.checkpoint-<k>.pt  the checkpoint after k steps as one model
 //
 // Thread safety: every method may be called from any thread. Appending results uses
 // an internal mutex that guards the open result files only.
@@ -118,12 +123,36 @@ class ArtifactStore {
   absl::Status SyncCheckpoint(const std::string& job_id, int step);
   // Removes the job's checkpoints (and pieces being written) whose step `remove` picks.
   void RemoveCheckpoints(const std::string& job_id, const std::function<bool(int step)>& remove);
+  // The job's trained stages (result_<s>.pt, s < stages) become the stages of its
+  // checkpoint after `step`, whose rank states arrived already (hard links; synced).
+  // Errors: UNAVAILABLE naming the file.
+  absl::Status CheckpointFromResults(const std::string& job_id, int step, int stages);
+  // Job `to` starts from job `from`'s checkpoint after `step`: its `stages` stage files
+  // and `ranks` rank states are linked (copied across file systems) into `to`'s folder
+  // as its own checkpoint after `step`, synced. Errors: NOT_FOUND naming a missing
+  // piece; UNAVAILABLE.
+  absl::Status LinkCheckpoint(const std::string& from, int step, const std::string& to, int stages, int ranks);
+  // A folder holding the job's model.pt and its checkpoint's stages as result_<s>.pt
+  // (links: they outlive the checkpoint being replaced), for result_assembly.h to
+  // merge. Errors: NOT_FOUND naming a missing piece; UNAVAILABLE.
+  absl::StatusOr<std::string> StageCheckpointForMerge(const std::string& job_id, int step, int stages);
+  // Where the merged checkpoint after `step` is served from.
+  std::string CheckpointFetchPath(const std::string& job_id, int step) const {
+    return absl::StrCat(state_dir_, "/models/", job_id, ".checkpoint-", step, ".pt");
+  }
+  // Moves the merged checkpoint `path` to CheckpointFetchPath (dropping the job's earlier
+  // merged checkpoints) and removes `merge_dir`. Errors: UNAVAILABLE.
+  absl::Status PublishCheckpoint(const std::string& job_id, int step, const std::string& path,
+                                 const std::string& merge_dir);
+  // Removes a folder StageCheckpointForMerge made.
+  static void RemoveMergeDir(const std::string& merge_dir);
 
   // Makes `path` (a finished file) what FetchModel serves for the job.
   absl::Status Publish(const std::string& job_id, const std::string& path);
 
   // Removes the job's folder (its inputs and results); what FetchModel serves stays.
-  void RemoveJobFiles(const std::string& job_id);
+  // `keep_checkpoint` > 0: that checkpoint and model.pt stay (a training job ended).
+  void RemoveJobFiles(const std::string& job_id, int keep_checkpoint = 0);
   // Removes the job's folder and what FetchModel serves for it (the job is deleted).
   void RemoveAllOf(const std::string& job_id);
 

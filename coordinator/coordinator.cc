@@ -11,6 +11,7 @@
 #include "common/status.h"
 #include "coordinator/rank_sender.h"
 #include "coordinator/result_assembly.h"
+#include "coordinator/resume.h"
 #include "pipeline/job/job_spec.h"
 #include "pipeline/job/layout.h"
 #include "proto/job_state.h"
@@ -278,6 +279,10 @@ absl::StatusOr<std::string> Coordinator::SubmitJob(const JobSpec& spec, std::uni
   if (!prepared.ok()) return prepared.status();
   absl::MutexLock lock(&mu_);
   PIPPY_RETURN_IF_ERROR(Admit(*prepared));
+  const JobRun* source = nullptr;
+  if (!prepared->spec.resume_from().empty()) {
+    PIPPY_ASSIGN_OR_RETURN(source, ResumeSource(*prepared, user));
+  }
   const std::string id = absl::StrCat("job-", next_job_++);
   PIPPY_RETURN_IF_ERROR(artifacts_->Accept(*upload, id));
   job.set_job_id(id);
@@ -287,8 +292,40 @@ absl::StatusOr<std::string> Coordinator::SubmitJob(const JobSpec& spec, std::uni
                                       prepared->layout, prepared->share_bytes, prepared->stage_bytes);
   JobRun& added = *run;
   AddJob(std::move(run));
+  if (source != nullptr) {
+    absl::Status linked = ResumeFrom(*source, added);
+    if (!linked.ok()) {
+      Outbox out;  // nothing placed yet: nothing to deliver
+      EndJob(added, FAILED, std::string(linked.message()), &out);
+      return linked;
+    }
+  }
   PIPPY_RETURN_IF_ERROR(Queue(added, *prepared, notices));
   return id;
+}
+
+absl::StatusOr<const JobRun*> Coordinator::ResumeSource(const PreparedJob& prepared, const std::string& user) {
+  const std::string& from = prepared.spec.resume_from();
+  const JobRun* source = Find(from);
+  if (source == nullptr) {
+    return absl::NotFoundError(absl::StrCat("resume_from: no job '", from, "' (pippyctl list shows them)"));
+  }
+  PIPPY_RETURN_IF_ERROR(
+      CheckResume(source->job(), source->layout(), user, prepared.spec, prepared.plan, prepared.layout));
+  return source;
+}
+
+absl::Status Coordinator::ResumeFrom(const JobRun& source, JobRun& run) {
+  const int step = source.job().checkpoint_step();
+  absl::Status linked =
+      artifacts_->LinkCheckpoint(source.id(), step, run.id(), source.job().plan().stages_size(), source.ranks());
+  if (!linked.ok()) {
+    return absl::UnavailableError(
+        absl::StrCat("resume_from: ", source.id(), "'s checkpoint after step ", step, ": ", linked.message()));
+  }
+  run.Resumed(source.job(), step);
+  log::Info("job={} resumes {} from its checkpoint after step {}", run.id(), source.id(), step);
+  return absl::OkStatus();
 }
 
 void Coordinator::PrepareDetached(const std::string& job_id, const JobSpec& spec) {
@@ -314,9 +351,16 @@ void Coordinator::PrepareDetached(const std::string& job_id, const JobSpec& spec
     if (!cancelled && !stop_ && !stopping_) {
       absl::Status s = prepared.status();
       if (s.ok()) s = Admit(*prepared);
+      const JobRun* source = nullptr;
+      if (s.ok() && !prepared->spec.resume_from().empty()) {
+        absl::StatusOr<const JobRun*> found = ResumeSource(*prepared, run->job().user());
+        s = found.status();
+        if (s.ok()) source = *found;
+      }
       if (s.ok()) {
         run->Prepared(prepared->spec, prepared->plan, prepared->layout, prepared->share_bytes, prepared->stage_bytes);
-        s = Queue(*run, *prepared, nullptr);
+        if (source != nullptr) s = ResumeFrom(*source, *run);
+        if (s.ok()) s = Queue(*run, *prepared, nullptr);
       }
       if (!s.ok()) {
         log::Info("job={} refused: {}", job_id, s.message());
@@ -640,6 +684,8 @@ void Coordinator::Assemble(const std::string& job_id) {
       EndJob(run, FAILED, absl::StrCat("assembling the result: ", s.message()), &out);
     } else {
       log::Info("job={} result assembled in {}", job_id, absl::FormatDuration(absl::Now() - start));
+      absl::Status kept = run.CommitFinalCheckpoint();
+      if (!kept.ok()) log::Warn("job={} the state after the last step is not kept: {}", job_id, kept.message());
       EndJob(run, SUCCEEDED, "", &out);
     }
   }

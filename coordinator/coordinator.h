@@ -137,6 +137,11 @@ class Coordinator {
   // The file FetchModel serves: the trained model, or an inference job's outputs.
   // Errors: NOT_FOUND; FAILED_PRECONDITION while the job has none (yet).
   absl::StatusOr<std::string> ResultPath(const std::string& job_id);
+  // The job's last checkpoint merged into one TorchScript model (FetchModelRequest
+  // .checkpoint), in a child as results are, kept until a later checkpoint replaces it.
+  // Errors: NOT_FOUND; FAILED_PRECONDITION for a job without a checkpoint (yet);
+  // PERMISSION_DENIED for another user's job; the merge's (result_assembly.h).
+  absl::StatusOr<std::string> CheckpointPath(const std::string& job_id, const std::string& user = "");
   // Blocks until the job differs from `*version` (or `timeout`); updates *version.
   absl::StatusOr<Job> WaitForChange(const std::string& job_id, int64_t* version, absl::Duration timeout);
   std::vector<WorkerInfo> ListWorkers();
@@ -186,6 +191,13 @@ class Coordinator {
   // if workers are idle); its notices go into the job's history (and `notices`).
   absl::Status Queue(JobRun& run, const PreparedJob& prepared, std::vector<std::string>* notices)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A prepared submission with spec.resume_from (of `user`): the job it resumes, checked
+  // (resume.h). Errors: NOT_FOUND and CheckResume's.
+  absl::StatusOr<const JobRun*> ResumeSource(const PreparedJob& prepared, const std::string& user)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Links `source`'s checkpoint into `run`'s folder and starts `run` there.
+  // Errors: LinkCheckpoint's.
+  absl::Status ResumeFrom(const JobRun& source, JobRun& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Places queued jobs (whose stages are on disk) on idle workers; starts their senders.
   void Schedule() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Chooses workers for the job and places it there (none: empty). `no_fit`: the

@@ -1,6 +1,7 @@
 // The Coordinator's answers to users' questions (coordinator.h): jobs, workers,
 // results, traces, metrics, and the routing of a serving request to its job. Each
-// reads the jobs and the registry under the coordinator's mutex and changes nothing.
+// reads the jobs and the registry under the coordinator's mutex and changes nothing
+// (CheckpointPath merges a checkpoint into a file once, outside it).
 #include <algorithm>
 #include <iterator>
 #include <optional>
@@ -12,6 +13,9 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "coordinator/coordinator.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "coordinator/result_assembly.h"
 #include "proto/job_state.h"
 
 namespace pippy::coordinator {
@@ -144,8 +148,8 @@ absl::StatusOr<std::string> Coordinator::ResultPath(const std::string& job_id) {
       return absl::FailedPreconditionError(absl::StrCat(
           "job ", job_id, " ended ", JobState_Name(state), ": only a job that SUCCEEDED has a trained model to fetch",
           run->job().checkpoint_step() > 0
-              ? absl::StrCat(" (its checkpoint after step ", run->job().checkpoint_step(),
-                             " stays on the coordinator, in pieces per stage; submit the job again to train it)")
+              ? absl::StrCat("; its checkpoint after step ", run->job().checkpoint_step(),
+                             " is kept: pippyctl fetch ", job_id, " --checkpoint, or submit --resume-from ", job_id)
               : ""));
     }
     return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " has no trained model yet (state ",
@@ -153,6 +157,54 @@ absl::StatusOr<std::string> Coordinator::ResultPath(const std::string& job_id) {
                                                       " follows it to the end)"));
   }
   return artifacts_->FetchPath(job_id);
+}
+
+absl::StatusOr<std::string> Coordinator::CheckpointPath(const std::string& job_id, const std::string& user) {
+  int step = 0, stages = 0;
+  std::string staged;
+  {
+    absl::MutexLock lock(&mu_);
+    JobRun* run = Find(job_id);
+    if (run == nullptr) return absl::NotFoundError(absl::StrCat("no job '", job_id, "' (pippyctl list shows them)"));
+    const Job& job = run->job();
+    if (!user.empty() && !job.user().empty() && user != job.user()) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("job ", job_id, " was submitted by ", job.user(), "; only they can fetch its checkpoint"));
+    }
+    if (job.spec().mode() != MODE_TRAIN || job.spec().has_serving()) {
+      return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " is not a training job: it has no checkpoints"));
+    }
+    step = job.checkpoint_step();
+    stages = job.plan().stages_size();
+    if (step <= 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "job ", job_id, " has no checkpoint ", run->ended() ? "" : "yet ", "(", JobState_Name(job.state()), ", step ",
+          job.step(), "; one is taken every ", job.spec().fault_tolerance().checkpoint_every(),
+          " steps (--checkpoint-every) and after the last step)"));
+    }
+    const std::string merged = artifacts_->CheckpointFetchPath(job_id, step);
+    if (ArtifactStore::FileSize(merged) > 0) return merged;
+    // Links, made under the lock: a checkpoint committed meanwhile removes the files,
+    // not these names of them.
+    PIPPY_ASSIGN_OR_RETURN(staged, artifacts_->StageCheckpointForMerge(job_id, step, stages));
+  }
+  PIPPY_RETURN_IF_ERROR(AcquireModelSlot());
+  AssembleOptions merge;
+  merge.merger = options_.child_binary;
+  merge.timeout = options_.prepare_timeout;
+  merge.cancelled = [this] { return stopping_.load(); };
+  const auto start = absl::Now();
+  absl::StatusOr<std::string> assembled = MergeStagesIn(staged, stages, merge);
+  ReleaseModelSlot();
+  absl::Status s = assembled.status();
+  if (s.ok()) s = artifacts_->PublishCheckpoint(job_id, step, *assembled, staged);
+  if (!s.ok()) {
+    artifacts_->RemoveMergeDir(staged);
+    return absl::Status(s.code(), absl::StrCat("merging ", job_id, "'s checkpoint after step ", step, ": ", s.message()));
+  }
+  log::Info("job={} checkpoint after step {} merged for fetching in {}", job_id, step,
+            absl::FormatDuration(absl::Now() - start));
+  return artifacts_->CheckpointFetchPath(job_id, step);
 }
 
 std::vector<WorkerInfo> Coordinator::ListWorkers() {

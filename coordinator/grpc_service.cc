@@ -244,10 +244,11 @@ grpc::Status CoordinatorGrpc::FetchModel(grpc::ServerContext* context, const Fet
                                          grpc::ServerWriter<ModelChunk>* writer) {
   auto user = Authenticate(context);
   if (!user.ok()) return ToGrpc(user.status());
-  auto path = logic_->ResultPath(request->job_id());
-  if (!path.ok()) return ToGrpc(path.status());
   auto stream = TakeStream("FetchModel");
   if (!stream.ok()) return ToGrpc(stream.status());
+  auto path = request->checkpoint() ? logic_->CheckpointPath(request->job_id(), *user)
+                                    : logic_->ResultPath(request->job_id());
+  if (!path.ok()) return ToGrpc(path.status());
   constexpr size_t kChunk = 1 << 20;
   IdleWatch idle(context, limits_.stream_idle_timeout);
   absl::Status sent = ArtifactStore::StreamFile(*path, kChunk, [&](absl::string_view piece) {

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/log.h"
+#include "common/status.h"
 #include "pipeline/job/job_spec.h"
 #include "pipeline/job/layout.h"
 #include "proto/job_state.h"
@@ -414,7 +415,9 @@ std::optional<int> JobRun::CheckpointRank(const CheckpointChunk& c) const {
   const int P = ranks_per_replica();
   const int global = c.replica() * P + c.rank();
   if (c.rank() < 0 || c.rank() >= P || c.replica() < 0 || global >= ranks() || c.stage() < -1 ||
-      c.stage() >= job_.plan().stages_size() || c.step() <= 0 || (c.stage() >= 0 && c.replica() != 0)) {
+      c.stage() >= job_.plan().stages_size() || c.step() <= 0 || (c.stage() >= 0 && c.replica() != 0) ||
+      c.step() > job_.spec().steps() || (c.step() == job_.spec().steps() && c.stage() >= 0)) {
+    // (After the last step only the ranks' states come: the results are the stages.)
     log::Warn("job={} a checkpoint piece names rank {} stage {} step {}: ignored", id(), c.rank(), c.stage(), c.step());
     return std::nullopt;
   }
@@ -426,6 +429,11 @@ bool JobRun::OnCheckpointPiece(const CheckpointChunk& c, int global) {
   auto& pieces = checkpoint_pieces_[c.step()];
   pieces.insert({c.stage() >= 0 ? 0 : global, c.stage()});
   const int stages = job_.plan().stages_size();
+  if (c.step() == job_.spec().steps()) {
+    // The state after the last step: committed with the results (CommitFinalCheckpoint).
+    final_states_ready_ = static_cast<int>(pieces.size()) == ranks();
+    return false;
+  }
   if (static_cast<int>(pieces.size()) < stages + ranks() || c.step() <= job_.checkpoint_step()) return false;
   // Every stage and every rank's state arrived whole: commit (files durable first,
   // then the record names the step), and drop the earlier checkpoints.
@@ -448,6 +456,34 @@ bool JobRun::OnCheckpointPiece(const CheckpointChunk& c, int global) {
   return true;
 }
 
+absl::Status JobRun::CommitFinalCheckpoint() {
+  const int last = job_.spec().steps();
+  if (!final_states_ready_ || job_.checkpoint_step() >= last) return absl::OkStatus();
+  PIPPY_RETURN_IF_ERROR(stores_.artifacts->CheckpointFromResults(id(), last, job_.plan().stages_size()));
+  job_.set_checkpoint_step(last);
+  checkpoint_time_ = absl::Now();
+  Touch();
+  stores_.artifacts->RemoveCheckpoints(id(), [last](int step) { return step < last; });
+  log::Info("job={} the state after its last step {} is kept as its checkpoint", id(), last);
+  return absl::OkStatus();
+}
+
+void JobRun::Resumed(const Job& source, int step) {
+  job_.set_checkpoint_step(step);
+  job_.set_resumed_step(step);
+  job_.set_step(step);
+  auto copy = [step](const auto& from, auto* to) {
+    to->Clear();
+    for (int i = 0; i < step && i < from.size(); ++i) to->Add(from.Get(i));
+  };
+  copy(source.losses(), job_.mutable_losses());
+  copy(source.learning_rates(), job_.mutable_learning_rates());
+  copy(source.step_seconds(), job_.mutable_step_seconds());
+  AddEvent(absl::StrCat("resumed from ", source.job_id(), "'s checkpoint after step ", step, ": its parameters, "
+                        "optimizer state and random generators; steps ", step, " to ", job_.spec().steps(), " to run"));
+  Touch();
+}
+
 void JobRun::Finish(JobState state, const std::string& reason) {
   if (ended()) return;
   job_.set_state(state);
@@ -461,7 +497,10 @@ void JobRun::Finish(JobState state, const std::string& reason) {
     // what cancel answers is what status says later (and after a restart).
     *job_.mutable_serving() = serving_->Stats();
   }
-  stores_.artifacts->RemoveJobFiles(id());
+  // A training job keeps its last checkpoint (and the model it merges into) until it is
+  // deleted: pippyctl fetch --checkpoint, submit --resume-from.
+  const bool keep = job_.spec().mode() == MODE_TRAIN && !job_.spec().has_serving() && job_.checkpoint_step() > 0;
+  stores_.artifacts->RemoveJobFiles(id(), keep ? job_.checkpoint_step() : 0);
   Touch();
 }
 
@@ -498,6 +537,7 @@ void JobRun::Recover(const std::string& what) {
   finished_.clear();
   assembling_ = false;
   checkpoint_pieces_.clear();
+  final_states_ready_ = false;
   recover_deadline_ = absl::Now() + absl::Seconds(ft.recovery_timeout_s());
   // Pieces of later checkpoints and results of this attempt are dropped (small file
   // work under the lock: a later attempt writes the same names).

@@ -147,6 +147,15 @@ class JobRun {
   // Set when the job ends (and when the coordinator stops): what a detached
   // preparation polls to stop its child.
   std::shared_ptr<const std::atomic<bool>> StopFlag() const { return stop_; }
+  // The results are in and every rank sent its state after the last step: the results
+  // become the stages of a checkpoint after the last step, committed (else the job
+  // keeps its last periodic one). Call before Succeed. Errors: UNAVAILABLE (the job
+  // keeps its earlier checkpoint).
+  absl::Status CommitFinalCheckpoint();
+  // A job submitted with spec.resume_from starts from `source`'s checkpoint after
+  // `step`, whose files are linked in as its own: its record says so and carries the
+  // source's losses, learning rates and step times of the steps before.
+  void Resumed(const Job& source, int step);
   // The result is in place (FetchModel can serve it): SUCCEEDED.
   void Succeed();
   bool CanRestart() const;
@@ -186,6 +195,7 @@ class JobRun {
   std::set<int> finished_;                             // global ranks that finished ok
   bool assembling_ = false;
   std::map<int, std::set<std::pair<int, int>>> checkpoint_pieces_;  // step -> (rank, stage); stage -1: state
+  bool final_states_ready_ = false;  // every rank's state after the last step arrived
   absl::Time checkpoint_time_ = absl::InfinitePast();  // when the last one was committed
   absl::Time recover_deadline_;
   StepTraces traces_;

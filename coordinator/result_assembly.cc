@@ -62,7 +62,10 @@ absl::StatusOr<std::string> AssembleResult(ArtifactStore& files, const std::stri
                                            "job again");
   }
   if (inference) return files.OutputsPath(job_id);
-  const std::string dir = files.JobDir(job_id);
+  return MergeStagesIn(files.JobDir(job_id), stages, options);
+}
+
+absl::StatusOr<std::string> MergeStagesIn(const std::string& dir, int stages, const AssembleOptions& options) {
   absl::Status merged = options.merger.empty() ? MergeHere(dir, stages) : MergeInChild(dir, stages, options);
   if (!merged.ok()) return merged;
   return AssembledIn(dir);

@@ -34,6 +34,11 @@ struct AssembleOptions {
 absl::StatusOr<std::string> AssembleResult(ArtifactStore& files, const std::string& job_id, bool inference,
                                            int stages, const AssembleOptions& options = {});
 
+// Merges DIR/result_<s>.pt into DIR/model.pt as AssembleResult merges a job's results
+// (a checkpoint's stages, staged by ArtifactStore::StageCheckpointForMerge); returns
+// DIR/assembled.pt. Errors: as AssembleResult's merge.
+absl::StatusOr<std::string> MergeStagesIn(const std::string& dir, int stages, const AssembleOptions& options = {});
+
 // The child's side: `BINARY --merge DIR STAGES` merges DIR/result_<s>.pt into DIR/model.pt,
 // writing DIR/assembled.pt. Exit 0, or the error reported and exit 3.
 inline constexpr char kMergeFlag[] = "--merge";

@@ -61,7 +61,7 @@ absl::Status SendOutputs(const Writer& write, const Assignment& a, const std::ve
 }
 
 absl::Status SendCheckpoint(const Writer& write, const Assignment& a, int step, job::RankJob& rank_job,
-                            size_t chunk_bytes) {
+                            bool with_stages, size_t chunk_bytes) {
   const auto start = absl::Now();
   int64_t bytes = 0;
   int chunks = 0;
@@ -81,7 +81,7 @@ absl::Status SendCheckpoint(const Writer& write, const Assignment& a, int step, 
   // The replicas hold the same parameters: replica 0 sends the stages, every replica
   // its training state (its own random generator).
   for (const auto& stage : rank_job.stages()) {  // not a structured binding: the lambda captures it
-    if (a.replica() != 0) break;
+    if (a.replica() != 0 || !with_stages) break;
     const torch::jit::Module& module = stage.second;
     auto source = [&](const Sink& sink) { return torchio::WriteModule(module, sink); };
     PIPPY_ASSIGN_OR_RETURN(int64_t n, Stream(write, a, chunk_bytes, piece(stage.first), source, "a checkpoint"));

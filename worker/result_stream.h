@@ -31,9 +31,10 @@ absl::Status SendStage(const Writer& write, const Assignment& a, int stage, cons
 absl::Status SendOutputs(const Writer& write, const Assignment& a, const std::vector<c10::IValue>& outputs,
                          size_t chunk_bytes = kResultChunk);
 // A checkpoint after `step` steps. The coordinator commits it once every rank's pieces
-// arrived whole.
+// arrived whole. `with_stages` false: the rank's training state only (after the last
+// step, whose stages go as results).
 absl::Status SendCheckpoint(const Writer& write, const Assignment& a, int step, job::RankJob& rank_job,
-                            size_t chunk_bytes = kResultChunk);
+                            bool with_stages = true, size_t chunk_bytes = kResultChunk);
 
 }  // namespace pippy::worker
 

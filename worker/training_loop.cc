@@ -30,6 +30,11 @@ absl::Status RunTrainingSteps(const Assignment& a, job::RankJob& rank_job, stage
     }
   }
   if (inference) return outputs.empty() ? absl::OkStatus() : SendOutputs(write, a, outputs);
+  // The state after the last step first: the coordinator keeps it with the results as
+  // the job's last checkpoint (a later job resumes from it).
+  if (job::KeepsFinalState(spec) && a.start_step() < spec.steps()) {
+    PIPPY_RETURN_IF_ERROR(SendCheckpoint(write, a, spec.steps(), rank_job, /*with_stages=*/false));
+  }
   if (a.replica() != 0) return absl::OkStatus();  // the replicas hold the same parameters
   for (const auto& [s, module] : rank_job.stages()) PIPPY_RETURN_IF_ERROR(SendStage(write, a, s, module));
   return absl::OkStatus();

@@ -53,6 +53,11 @@ bool CheckpointAfter(const JobSpec& spec, int steps_done) {
          steps_done % every == 0;
 }
 
+bool KeepsFinalState(const JobSpec& spec) {
+  return spec.mode() == MODE_TRAIN && !spec.has_serving() && spec.fault_tolerance().checkpoint_every() > 0 &&
+         spec.steps() > 0;
+}
+
 namespace {
 
 // A serving job's spec: the serving fields, and the rest as serving fixes them.
@@ -178,6 +183,13 @@ absl::Status CheckSpec(JobSpec* spec) {
   }
   if (!Balance_IsValid(spec->split().balance())) return Bad("split.balance", "use params, flops or time");
   if (spec->split().balance() == BALANCE_UNSPECIFIED) spec->mutable_split()->set_balance(BALANCE_PARAMS);
+  if (!spec->resume_from().empty()) {
+    if (!train || spec->has_serving()) return Bad("resume_from", "only a training job resumes from a checkpoint");
+    if (spec->resume_from().size() > 128 ||
+        spec->resume_from().find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789-_") != std::string::npos) {
+      return Bad("resume_from", "give a job id (pippyctl list shows them)");
+    }
+  }
   if (train) {
     if (spec->loss() == LOSS_UNSPECIFIED) return Bad("loss", "missing (mse, cross_entropy or model)");
     if (!LossKind_IsValid(spec->loss())) return Bad("loss", "use mse, cross_entropy or model");

@@ -68,6 +68,10 @@ inline constexpr int kMaxServingBatch = 65536;
 // checkpoint_every steps of a training job, except after the last step.
 // REQUIRES: CheckSpec(&spec) passed.
 bool CheckpointAfter(const JobSpec& spec, int steps_done);
+// Whether the ranks send their training state after the last step, which the
+// coordinator keeps with the trained stages as the job's last checkpoint (to resume
+// from): a training job with checkpoints on. REQUIRES: CheckSpec(&spec) passed.
+bool KeepsFinalState(const JobSpec& spec);
 
 // Checks the fields of `spec` that need neither the model nor the data, and fills in
 // defaults: the mode from the schedule, stages per worker, weight decay, betas and eps,

@@ -195,7 +195,85 @@ else
   bad "MLP on tensor shards: $(cat "$TMP/mlp.check" 2>/dev/null)"
 fi
 
-# 5. Refusals, each naming the file.
+# 5. Continue and fine-tune: a 20-step job, then a job resumed from its last checkpoint
+#    (the state after its step 20) to step 30, equals one 30-step job bitwise and a
+#    PyTorch loop of 30 steps; the checkpoint of a succeeded job is its result; a
+#    cancelled job's last checkpoint, fetched as one model, equals PyTorch after its steps.
+RS=(--dataset "$DATA/small" --seq-len 16 --microbatches 2 --batch-size 8 --loss model --optimizer adamw --lr 0.003
+    --warmup-steps 5 --shuffle on --seed 7 --stages 2 --schedule 1f1b)
+same_tensors() {  # A.pt B.pt: bitwise equal state dicts
+  /usr/bin/python3 - "$1" "$2" <<'PY'
+import sys, torch
+a, b = (torch.jit.load(p).state_dict() for p in sys.argv[1:3])
+equal = a.keys() == b.keys() and all(torch.equal(x, b[k]) for k, x in a.items())
+print(f"{len(a)} tensors {'bitwise equal' if equal else 'differ'}")
+sys.exit(0 if equal else 1)
+PY
+}
+if first=$(submit_wait rs20 "$ZOO/gpt.pt" "${RS[@]}" --steps 20) &&
+   [ "$(json_get "$first" "j.get('checkpoint_step', 0)")" = 20 ]; then
+  ok "a 20-step job keeps the state after its last step as its checkpoint: $(ctl status "$first" | grep -o 'checkpoint after step.*')"
+  if ctl fetch "$first" --checkpoint -o "$TMP/rs20.ckpt.pt" > "$TMP/rs20.fetch" 2>&1 &&
+     same_tensors "$TMP/rs20.pt" "$TMP/rs20.ckpt.pt" > "$TMP/rs20.same"; then
+    ok "fetch --checkpoint of the succeeded job: its result, $(cat "$TMP/rs20.same")"
+  else
+    bad "fetch --checkpoint of a succeeded job: $(cat "$TMP/rs20.fetch" "$TMP/rs20.same" 2>/dev/null)"
+  fi
+  if resumed=$(submit_wait rs30 "$ZOO/gpt.pt" "${RS[@]}" --steps 30 --resume-from "$first") &&
+     whole=$(submit_wait rsref "$ZOO/gpt.pt" "${RS[@]}" --steps 30) &&
+     same_tensors "$TMP/rsref.pt" "$TMP/rs30.pt" > "$TMP/rs30.same" &&
+     /usr/bin/python3 "$CHECK" "$ZOO/gpt.pt" - "$TMP/rs30.pt" --dataset "$DATA/small" --seq-len 16 --steps 30 \
+       --batch-size 8 --microbatches 2 --loss model --optimizer adamw --lr 0.003 --warmup-steps 5 --shuffle on \
+       --seed 7 --tolerance 1e-5 --losses "$TMP/rs30.json" --loss-tolerance 1e-5 > "$TMP/rs30.check" 2>&1; then
+    ok "--resume-from $first (20 steps) to 30 steps: $(cat "$TMP/rs30.same") to one 30-step job; vs PyTorch: $(tail -1 "$TMP/rs30.check")"
+    ctl status "$resumed" | grep -q "resumed from $first after step 20" &&
+      ok "status: $(ctl status "$resumed" | grep -o "resumed from.*")" ||
+      bad "status does not say it resumed: $(ctl status "$resumed")"
+  else
+    bad "--resume-from: $(tail -2 "$TMP/rs30.out" 2>/dev/null) $(cat "$TMP/rs30.same" "$TMP/rs30.check" 2>/dev/null)"
+  fi
+else
+  bad "a 20-step job's final checkpoint: $(tail -2 "$TMP/rs20.out") $(json_get "$first" "j.get('checkpoint_step')")"
+fi
+job=$(ctl submit "$ZOO/gpt.pt" "${RS[@]}" --steps 300 --checkpoint-every 5 2> "$TMP/rsc.err")
+reached=0
+for _ in $(seq 300); do
+  [ "$(json_get "$job" "j.get('checkpoint_step', 0) >= 5")" = True ] && { reached=1; break; }
+  sleep 0.1
+done
+ctl cancel "$job" > /dev/null 2>&1
+k=$(json_get "$job" "j.get('checkpoint_step', 0)")
+if [ "$reached" = 1 ] && [ "$(json_get "$job" "j['state']")" = CANCELLED ] &&
+   ctl fetch "$job" --checkpoint -o "$TMP/rsc.pt" > "$TMP/rsc.fetch" 2>&1 &&
+   /usr/bin/python3 "$CHECK" "$ZOO/gpt.pt" - "$TMP/rsc.pt" --dataset "$DATA/small" --seq-len 16 --steps "$k" \
+     --batch-size 8 --microbatches 2 --loss model --optimizer adamw --lr 0.003 --warmup-steps 5 --shuffle on \
+     --seed 7 --tolerance 1e-5 > "$TMP/rsc.check" 2>&1; then
+  ok "a cancelled job's checkpoint after step $k, fetched as one model: vs PyTorch after $k steps: $(tail -1 "$TMP/rsc.check")"
+else
+  bad "fetch --checkpoint of a cancelled job ($k): $(cat "$TMP/rsc.fetch" "$TMP/rsc.check" 2>/dev/null)"
+fi
+resume_refused() {  # NAME EXPECTED-TEXT ARGS...
+  local name=$1 want=$2
+  shift 2
+  ctl submit "$ZOO/gpt.pt" --dataset "$DATA/small" --seq-len 16 --microbatches 4 --batch-size 8 --loss model \
+    --schedule 1f1b "$@" > /dev/null 2> "$TMP/resume.err"
+  if grep -qF -- "$want" "$TMP/resume.err"; then
+    ok "refused, $name: $(head -c 240 "$TMP/resume.err")"
+  else
+    bad "$name: expected '$want', got: $(cat "$TMP/resume.err")"
+  fi
+}
+resume_refused "--resume-from with no more steps" "give more than 20" --optimizer adamw --stages 2 --steps 20 \
+  --resume-from "$first"
+resume_refused "--resume-from another split" "it has 2 stages, this job 3" --optimizer adamw --stages 3 --steps 30 \
+  --resume-from "$first"
+resume_refused "--resume-from another optimizer" "its optimizer is adamw, this job's sgd" --optimizer sgd --stages 2 \
+  --steps 30 --resume-from "$first"
+resume_refused "--resume-from an unknown job" "--resume-from: no job 'job-999'" --optimizer adamw --stages 2 \
+  --steps 30 --resume-from job-999
+wait_idle 4 || true
+
+# 6. Refusals, each naming the file.
 expect_refused() {  # NAME EXPECTED-TEXT ARGS...
   local name=$1 want=$2
   shift 2

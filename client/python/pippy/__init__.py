@@ -127,13 +127,21 @@ def make_spec(model_path, data_path=None, *, stages=0, split_at=(), balance="par
               batch_size, steps=1, loss=None, optimizer=None, lr=0.01, momentum=0.0, weight_decay=None,
               beta1=None, beta2=None, eps=None, clip_grad_norm=0.0, name=None, seed=0, synthetic="",
               stages_per_worker=0, replicas=1, checkpoint_every=None, max_restarts=None, recovery_timeout_s=None,
-              dtype="fp32", lr_schedule=None, warmup_steps=0, min_lr=0.0):
+              dtype="fp32", lr_schedule=None, warmup_steps=0, min_lr=0.0, dataset=None, seq_len=0,
+              token_dtype=None, shuffle=False, epochs=0, resume_from=""):
     """The JobSpec pippyctl submit would send (the coordinator checks it again).
     dtype: "fp32" or "bf16" (autocast to bfloat16, fp32 weights; pippyctl's --dtype).
     lr_schedule: "constant", "linear" or "cosine", with warmup_steps and min_lr (pippyctl's
-    --lr-schedule, --warmup-steps, --min-lr; torch.optim.lr_scheduler's semantics)."""
+    --lr-schedule, --warmup-steps, --min-lr; torch.optim.lr_scheduler's semantics).
+    dataset: a folder or manifest of shards the workers read themselves (docs/data.md),
+    with seq_len, token_dtype ("uint16", "uint32") and shuffle for token streams; epochs
+    instead of steps. resume_from: a job id whose last checkpoint this job starts from
+    (steps then count the whole run)."""
+    if epochs and steps == 1:
+        steps = 0  # epochs give the steps
     spec = job_pb2.JobSpec(name=name or os.path.splitext(os.path.basename(model_path))[0], steps=steps,
-                           batch_size=batch_size, seed=seed, replicas=replicas)
+                           batch_size=batch_size, seed=seed, replicas=replicas, epochs=epochs,
+                           resume_from=resume_from)
     spec.precision = _enum(job_pb2.Precision, dtype, "dtype")
     spec.split.stages = stages
     spec.split.split_at.extend(split_at)
@@ -159,6 +167,13 @@ def make_spec(model_path, data_path=None, *, stages=0, split_at=(), balance="par
     if data_path:
         spec.data.file = os.path.basename(data_path)
     spec.data.synthetic = synthetic
+    if dataset:
+        # Absolute, as this client sees it: the daemons read it where they run (a shared mount).
+        spec.data.dataset.path = os.path.abspath(dataset)
+        spec.data.dataset.seq_len = seq_len
+        spec.data.dataset.shuffle = bool(shuffle)
+        if token_dtype:
+            spec.data.dataset.token_dtype = _enum(job_pb2.TokenDtype, token_dtype, "token_dtype")
     for field, value in (("checkpoint_every", checkpoint_every), ("max_restarts", max_restarts),
                          ("recovery_timeout_s", recovery_timeout_s)):
         if value is not None:
@@ -366,15 +381,16 @@ class Client:
                     metadata=self._metadata)
         return json_format.MessageToDict(job, preserving_proto_field_name=True)
 
-    def fetch(self, job_id, path):
+    def fetch(self, job_id, path, checkpoint=False):
         """Writes the job's result (the trained TorchScript model, or an inference job's
-        outputs) to path, streaming; returns the bytes written."""
+        outputs) to path, streaming; returns the bytes written. checkpoint=True: the
+        job's last checkpoint instead, as one TorchScript model (pippyctl fetch --checkpoint)."""
         tmp = path + ".part"
         n = 0
         try:
             with open(tmp, "wb") as f:
-                for chunk in self._stub.FetchModel(coordinator_pb2.FetchModelRequest(job_id=job_id),
-                                                   metadata=self._metadata):
+                request = coordinator_pb2.FetchModelRequest(job_id=job_id, checkpoint=checkpoint)
+                for chunk in self._stub.FetchModel(request, metadata=self._metadata):
                     f.write(chunk.data)
                     n += len(chunk.data)
         except grpc.RpcError as e:

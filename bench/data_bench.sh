@@ -1,0 +1,142 @@
+#!/bin/bash
+# What reading a dataset costs (docs/data.md), each figure beside a reference measured
+# in the same run:
+#   1. tokens/s one rank reads from a token dataset (stage::Dataset: pread per window,
+#      ids checked, int64 inputs and targets; bench/data_read_bench.cc), in order and
+#      shuffled, vs `cat` of the same files to /dev/null (page cache warm for both:
+#      the files are read once first);
+#   2. the step time of a small LM (the zoo's GPT, 2 stages, 1F1B, 2 local workers)
+#      training on the dataset vs on --synthetic data of the same shapes (median of
+#      the steps after the first 5);
+#   3. each worker's peak RSS (VmHWM) after a job on a 1 GB and a 2 GB dataset, on
+#      fresh workers: it does not grow with the dataset.
+#
+#   bench/data_bench.sh [GB_SMALL=1] [GB_LARGE=2] [STEPS=200]
+# Needs GB_SMALL + GB_LARGE of disk under ${TMPDIR:-/tmp}.
+set -euo pipefail
+source "$(dirname "$0")/../scripts/common.sh"
+GB_SMALL=${1:-1}
+GB_LARGE=${2:-2}
+STEPS=${3:-200}
+bazel build "${BAZEL_FLAGS[@]}" //client:pippyctl //coordinator:pippy-coordinator //worker:pippy-worker \
+  //bench:data_read_bench //examples/models:zoo >&2
+BIN="$ROOT/bazel-bin"
+PIPPYCTL="$BIN/client/pippyctl"
+COORD="$BIN/coordinator/pippy-coordinator"
+WORKER="$BIN/worker/pippy-worker"
+GPT="$BIN/examples/models/zoo/gpt.pt"
+TMP=$(mktemp -d "${TMPDIR:-/tmp}/pippy-data-bench.XXXXXX")
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  sleep 0.5
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  rm -rf "$TMP"
+}
+trap cleanup EXIT
+export OPENBLAS_NUM_THREADS=1
+
+make_tokens() {  # DIR GB: uint16 ids in [0, 64), 128 MiB shards
+  /usr/bin/python3 - "$1" "$2" <<'PY'
+import os, sys
+import numpy as np
+out, gb = sys.argv[1], float(sys.argv[2])
+os.makedirs(out)
+rng = np.random.default_rng(0)
+per_shard = 64 << 20  # tokens (128 MiB)
+left = int(gb * (1 << 30)) // 2
+i = 0
+while left > 0:
+    n = min(per_shard, left)
+    rng.integers(0, 64, n, dtype=np.uint16).tofile(f"{out}/part_{i:04d}.bin")
+    left -= n
+    i += 1
+PY
+}
+echo "making ${GB_SMALL} GB and ${GB_LARGE} GB token datasets in $TMP ..." >&2
+make_tokens "$TMP/small" "$GB_SMALL"
+make_tokens "$TMP/large" "$GB_LARGE"
+
+# 1. Read throughput.
+cat "$TMP"/small/*.bin > /dev/null  # warm the page cache
+cat_s=$(/usr/bin/python3 -c "
+import subprocess, sys, time, glob
+t = time.perf_counter()
+subprocess.run(['cat'] + sorted(glob.glob('$TMP/small/*.bin')), stdout=subprocess.DEVNULL, check=True)
+print(time.perf_counter() - t)")
+bytes=$(du -cb "$TMP"/small/*.bin | tail -1 | cut -f1)
+inorder=$("$BIN/bench/data_read_bench" "$TMP/small" 1024 64 off 60)
+shuffled=$("$BIN/bench/data_read_bench" "$TMP/small" 1024 64 on 60)
+
+# 2 and 3: real daemons; fresh workers for each dataset size.
+"$COORD" --bind 127.0.0.1 --port 0 --port-file "$TMP/port" --state-dir "$TMP/state" --dataset-root "$TMP" \
+  > "$TMP/coordinator.log" 2>&1 &
+pids+=($!)
+for _ in $(seq 100); do [ -s "$TMP/port" ] && break; sleep 0.1; done
+ADDR="127.0.0.1:$(cat "$TMP/port")"
+ctl() { "$PIPPYCTL" --coordinator "$ADDR" "$@"; }
+worker_pids=()
+start_workers() {
+  for p in "${worker_pids[@]}"; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+  worker_pids=()
+  for w in 0 1; do
+    "$WORKER" --coordinator "$ADDR" --name "w$w-$1" --ucx-tls sm,self --dataset-root "$TMP" > "$TMP/w$w-$1.log" 2>&1 &
+    pids+=($!)
+    worker_pids+=($!)
+  done
+  for _ in $(seq 150); do
+    n=$(ctl workers --output json 2>/dev/null | /usr/bin/python3 -c \
+      "import json,sys; print(sum(1 for w in json.load(sys.stdin).get('workers', []) if w['state']=='IDLE'))")
+    [ "$n" = 2 ] && return 0
+    sleep 0.1
+  done
+  echo "workers did not register" >&2
+  return 1
+}
+COMMON=(--microbatches 4 --batch-size 8 --steps "$STEPS" --loss model --optimizer adamw --lr 0.001 --stages 2
+        --schedule 1f1b --checkpoint-every 0)
+run_job() {  # NAME ARGS...: the job's JSON record
+  local name=$1
+  shift
+  ctl submit "$GPT" "${COMMON[@]}" "$@" --wait > "$TMP/$name.out" 2>&1 || { cat "$TMP/$name.out" >&2; return 1; }
+  ctl status "$(head -1 "$TMP/$name.out")" --output json > "$TMP/$name.json"
+}
+peaks() { for p in "${worker_pids[@]}"; do grep VmHWM "/proc/$p/status" | awk '{print $2 * 1024}'; done | paste -sd,; }
+start_workers synthetic
+run_job synthetic --synthetic "inputs=int64[64,16]@64;targets=int64[64,16]@64"
+peak_synthetic=$(peaks)
+start_workers small
+run_job small --dataset "$TMP/small" --seq-len 16 --shuffle on
+peak_small=$(peaks)
+start_workers large
+run_job large --dataset "$TMP/large" --seq-len 16 --shuffle on
+peak_large=$(peaks)
+
+/usr/bin/python3 - "$TMP" "$bytes" "$cat_s" "$inorder" "$shuffled" "$peak_synthetic" "$peak_small" "$peak_large" \
+  "$GB_SMALL" "$GB_LARGE" <<'PY'
+import json, statistics, sys
+tmp, nbytes, cat_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+inorder, shuffled = json.loads(sys.argv[4]), json.loads(sys.argv[5])
+peaks = [[int(x) for x in a.split(",")] for a in sys.argv[6:9]]
+gb_small, gb_large = sys.argv[9], sys.argv[10]
+cat_tokens = nbytes / 2 / cat_s
+print(f"1. reading {nbytes / 2**30:.2f} GiB of uint16 tokens (page cache warm), seq_len 1024, batch 64")
+print(f"   {'reader':<34} {'tokens/s':>12} {'MiB/s':>9} {'vs cat':>7}")
+print(f"   {'cat > /dev/null':<34} {cat_tokens:12.3g} {nbytes / cat_s / 2**20:9.0f} {1.0:7.2f}")
+for name, r in (("pippy Dataset, in order", inorder), ("pippy Dataset, shuffled", shuffled)):
+    print(f"   {name:<34} {r['tokens_per_second']:12.3g} {r['bytes'] / r['seconds'] / 2**20:9.0f} "
+          f"{r['tokens_per_second'] / cat_tokens:7.2f}")
+def med(name):
+    j = json.load(open(f"{tmp}/{name}.json"))
+    s = j["step_seconds"][5:]
+    return statistics.median(s), len(s) + 5
+(syn, n), (small, _), (large, _) = med("synthetic"), med("small"), med("large")
+print(f"2. the zoo's GPT, 2 stages, 1F1B, batch 8 x 16 tokens, {n} steps: median step time (steps 5+)")
+print(f"   {'data':<34} {'ms/step':>9} {'vs synthetic':>13}")
+for name, v in (("--synthetic", syn), (f"--dataset {gb_small} GB, shuffled", small), (f"--dataset {gb_large} GB, shuffled", large)):
+    print(f"   {name:<34} {v * 1e3:9.3f} {v / syn:13.3f}")
+print("3. peak RSS (VmHWM) of each worker (rank 0, rank 1), fresh workers per job")
+for name, p in (("--synthetic", peaks[0]), (f"--dataset {gb_small} GB", peaks[1]), (f"--dataset {gb_large} GB", peaks[2])):
+    print(f"   {name:<34} " + ", ".join(f"{x / 2**20:.0f} MiB" for x in p))
+print(f"   {gb_large} GB vs {gb_small} GB: " + ", ".join(f"{b / a:.3f}x" for a, b in zip(peaks[1], peaks[2])))
+PY
