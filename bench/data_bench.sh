@@ -30,7 +30,7 @@ pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   sleep 0.5
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do { kill -9 "$p"; wait "$p"; } 2>/dev/null || true; done
   rm -rf "$TMP"
 }
 trap cleanup EXIT
@@ -57,16 +57,47 @@ echo "making ${GB_SMALL} GB and ${GB_LARGE} GB token datasets in $TMP ..." >&2
 make_tokens "$TMP/small" "$GB_SMALL"
 make_tokens "$TMP/large" "$GB_LARGE"
 
-# 1. Read throughput.
-cat "$TMP"/small/*.bin > /dev/null  # warm the page cache
-cat_s=$(/usr/bin/python3 -c "
+# 1. Read throughput: from disk (each file's pages dropped from the page cache first,
+#    posix_fadvise DONTNEED) and from the page cache (read once before).
+evict() { /usr/bin/python3 -c "
+import glob, os, sys
+for f in glob.glob(sys.argv[1] + '/*.bin'):
+    fd = os.open(f, os.O_RDONLY); os.fsync(fd); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)" "$1"; }
+time_cat() { /usr/bin/python3 -c "
 import subprocess, sys, time, glob
 t = time.perf_counter()
-subprocess.run(['cat'] + sorted(glob.glob('$TMP/small/*.bin')), stdout=subprocess.DEVNULL, check=True)
-print(time.perf_counter() - t)")
+subprocess.run(['cat'] + sorted(glob.glob(sys.argv[1] + '/*.bin')), stdout=subprocess.DEVNULL, check=True)
+print(time.perf_counter() - t)" "$1"; }
+# nanoGPT's get_batch on the same files: np.memmap, windows of L + 1, int64 tensors.
+numpy_reader() { /usr/bin/python3 - "$1" "$2" "$3" "$4" <<'PY'
+import glob, json, sys, time
+import numpy as np, torch
+files, L, B, order = sorted(glob.glob(sys.argv[1] + "/*.bin")), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+tokens = 0
+t = time.perf_counter()
+rng = np.random.default_rng(0)
+for f in files:
+    data = np.memmap(f, dtype=np.uint16, mode="r")
+    n = (len(data) - 1) // L
+    starts = np.arange(n) * L if order == "off" else rng.permutation(n) * L
+    for b in range(0, n - B + 1, B):
+        ix = starts[b:b + B]
+        x = torch.stack([torch.from_numpy(data[i:i + L].astype(np.int64)) for i in ix])
+        y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + L].astype(np.int64)) for i in ix])
+        tokens += B * L
+s = time.perf_counter() - t
+print(json.dumps({"tokens": tokens, "seconds": s, "tokens_per_second": tokens / s, "bytes": tokens * 2}))
+PY
+}
 bytes=$(du -cb "$TMP"/small/*.bin | tail -1 | cut -f1)
+evict "$TMP/small"; cat_cold=$(time_cat "$TMP/small")
+evict "$TMP/small"; inorder_cold=$("$BIN/bench/data_read_bench" "$TMP/small" 1024 64 off 120)
+cat "$TMP"/small/*.bin > /dev/null
+cat_warm=$(time_cat "$TMP/small")
 inorder=$("$BIN/bench/data_read_bench" "$TMP/small" 1024 64 off 60)
 shuffled=$("$BIN/bench/data_read_bench" "$TMP/small" 1024 64 on 60)
+numpy_inorder=$(numpy_reader "$TMP/small" 1024 64 off)
+numpy_shuffled=$(numpy_reader "$TMP/small" 1024 64 on)
 
 # 2 and 3: real daemons; fresh workers for each dataset size.
 "$COORD" --bind 127.0.0.1 --port 0 --port-file "$TMP/port" --state-dir "$TMP/state" --dataset-root "$TMP" \
@@ -112,20 +143,27 @@ start_workers large
 run_job large --dataset "$TMP/large" --seq-len 16 --shuffle on
 peak_large=$(peaks)
 
-/usr/bin/python3 - "$TMP" "$bytes" "$cat_s" "$inorder" "$shuffled" "$peak_synthetic" "$peak_small" "$peak_large" \
-  "$GB_SMALL" "$GB_LARGE" <<'PY'
+/usr/bin/python3 - "$TMP" "$bytes" "$cat_cold" "$cat_warm" "$inorder_cold" "$inorder" "$shuffled" "$numpy_inorder" \
+  "$numpy_shuffled" "$peak_synthetic" "$peak_small" "$peak_large" "$GB_SMALL" "$GB_LARGE" <<'PY'
 import json, statistics, sys
-tmp, nbytes, cat_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-inorder, shuffled = json.loads(sys.argv[4]), json.loads(sys.argv[5])
-peaks = [[int(x) for x in a.split(",")] for a in sys.argv[6:9]]
-gb_small, gb_large = sys.argv[9], sys.argv[10]
-cat_tokens = nbytes / 2 / cat_s
-print(f"1. reading {nbytes / 2**30:.2f} GiB of uint16 tokens (page cache warm), seq_len 1024, batch 64")
-print(f"   {'reader':<34} {'tokens/s':>12} {'MiB/s':>9} {'vs cat':>7}")
-print(f"   {'cat > /dev/null':<34} {cat_tokens:12.3g} {nbytes / cat_s / 2**20:9.0f} {1.0:7.2f}")
-for name, r in (("pippy Dataset, in order", inorder), ("pippy Dataset, shuffled", shuffled)):
-    print(f"   {name:<34} {r['tokens_per_second']:12.3g} {r['bytes'] / r['seconds'] / 2**20:9.0f} "
-          f"{r['tokens_per_second'] / cat_tokens:7.2f}")
+tmp, nbytes, cat_cold, cat_warm = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+cold, warm, shuffled, np_warm, np_shuffled = (json.loads(a) for a in sys.argv[5:10])
+peaks = [[int(x) for x in a.split(",")] for a in sys.argv[10:13]]
+gb_small, gb_large = sys.argv[13], sys.argv[14]
+print(f"1. one rank reading {nbytes / 2**30:.2f} GiB of uint16 tokens into int64 inputs and targets, seq_len 1024, "
+      "batch 64 (one core)")
+print(f"   {'reader':<44} {'tokens/s':>10} {'file MiB/s':>11} {'vs cat':>7}")
+for label, cat_s, rows in (("from disk (page cache dropped)", cat_cold, [("pippy Dataset, in order", cold)]),
+                           ("from the page cache", cat_warm,
+                            [("pippy Dataset, in order", warm), ("pippy Dataset, shuffled", shuffled),
+                             ("nanoGPT get_batch (np.memmap), in order", np_warm),
+                             ("nanoGPT get_batch (np.memmap), shuffled", np_shuffled)])):
+    cat_tokens = nbytes / 2 / cat_s
+    print(f"   {label}:")
+    print(f"   {'  cat > /dev/null':<44} {cat_tokens:10.3g} {nbytes / cat_s / 2**20:11.0f} {1.0:7.2f}")
+    for name, r in rows:
+        print(f"   {'  ' + name:<44} {r['tokens_per_second']:10.3g} {r['tokens_per_second'] * 2 / 2**20:11.0f} "
+              f"{r['tokens_per_second'] / cat_tokens:7.2f}")
 def med(name):
     j = json.load(open(f"{tmp}/{name}.json"))
     s = j["step_seconds"][5:]

@@ -91,6 +91,10 @@ absl::Status InCliWords(const absl::Status& s, const std::string& model, const s
       {"data.dataset.token_dtype", "--token-dtype"},
       {"data.dataset", "--dataset"},
       {"resume_from", "--resume-from"},
+      {"eval.dataset.path", "--eval-dataset"},
+      {"eval.dataset", "--eval-dataset"},
+      {"eval.every", "--eval-every"},
+      {"eval.batches", "--eval-batches"},
       {"batch_size", "--batch-size"},
   };
   static const std::pair<const char*, const char*> kLeading[] = {
@@ -173,6 +177,24 @@ void PrintJob(const Job& j) {
   }
   if (j.samples_per_second() > 0) {
     std::cout << absl::StrFormat(", %.0f samples/s, bubble %.0f%%", j.samples_per_second(), 100 * j.bubble_fraction());
+  }
+  if (j.losses_size() > 1 || j.evals_size() > 0) {
+    // Both curves, compactly: at most 8 points of the training loss (evenly spaced, the
+    // last included) and the last 8 evaluations.
+    std::vector<std::string> train, eval;
+    const int n = j.losses_size(), points = std::min(n, 8);
+    for (int k = 0; k < points; ++k) {
+      const int at = points == 1 ? n - 1 : static_cast<int>(static_cast<int64_t>(k) * (n - 1) / (points - 1));
+      train.push_back(absl::StrFormat("%.4g@%d", j.losses(at), at + 1));
+    }
+    for (int k = std::max(0, j.evals_size() - 8); k < j.evals_size(); ++k) {
+      eval.push_back(absl::StrFormat("%.4g@%d", j.evals(k).loss(), j.evals(k).step()));
+    }
+    if (!train.empty()) std::cout << "\n  train loss " << absl::StrJoin(train, " ");
+    if (!eval.empty()) {
+      std::cout << "\n  eval loss  " << absl::StrJoin(eval, " ") << " (" << j.spec().eval().batches()
+                << " batches of " << j.spec().eval().dataset().path() << ")";
+    }
   }
   if (!j.spec().resume_from().empty()) {
     std::cout << "\n  resumed from " << j.spec().resume_from() << " after step " << j.resumed_step();
@@ -321,6 +343,9 @@ absl::StatusOr<Job> Watch(Coordinator::Stub* stub, const std::string& job_id, co
           absl::StrAppend(&line, absl::StrFormat("  loss %.4f  %.0f samples/s  bubble %.0f%%", e.loss(),
                                                  e.samples_per_second(), 100 * e.bubble_fraction()));
           if (e.lr() > 0) absl::StrAppend(&line, absl::StrFormat("  lr %.3g", e.lr()));
+          if (e.has_eval_loss()) {
+            absl::StrAppend(&line, absl::StrFormat("  eval loss %.4f (step %d)", e.eval_loss(), e.eval_step()));
+          }
         }
         // Events (a worker lost, a restart) get a line of their own.
         if (!IsTerminal(e.state()) && !e.message().empty() && e.message() != last_message) {
@@ -406,7 +431,8 @@ absl::Status SetPrecision(const std::string& dtype, JobSpec* spec) {
 
 struct SubmitFlags {
   std::string model, data, synthetic, name, dtype = "fp32";
-  std::string dataset, token_dtype, shuffle = "off", resume_from;
+  std::string dataset, token_dtype, shuffle = "off", resume_from, eval_dataset;
+  int eval_every = 0, eval_batches = 0;
   int seq_len = 0, epochs = 0;
   SplitFlags split;
   std::string schedule, loss, optimizer, lr_schedule;
@@ -464,6 +490,14 @@ absl::StatusOr<JobSpec> SpecFrom(const SubmitFlags& f) {
   spec.set_steps(f.steps.value_or(f.epochs > 0 ? 0 : 1));
   spec.set_epochs(f.epochs);
   spec.set_resume_from(f.resume_from);
+  if (!f.eval_dataset.empty()) {
+    EvalSpec* ev = spec.mutable_eval();
+    ev->mutable_dataset()->set_path(std::filesystem::absolute(f.eval_dataset).lexically_normal().string());
+    ev->set_every(f.eval_every);
+    ev->set_batches(f.eval_batches);
+  } else if (f.eval_every != 0 || f.eval_batches != 0) {
+    return absl::InvalidArgumentError("--eval-every and --eval-batches are for --eval-dataset");
+  }
   spec.set_batch_size(f.batch_size);
   if (!f.data.empty()) spec.mutable_data()->set_file(std::filesystem::path(f.data).filename().string());
   spec.mutable_data()->set_synthetic(f.synthetic);
@@ -634,6 +668,16 @@ void AddSubmit(CLI::App& root, const GlobalFlags& g, int* exit_code) {
                   "data parallelism: R copies of the pipeline (R x the workers), each training on a contiguous R-th "
                   "of every batch, gradients averaged (gloo) before the optimizer steps")
       ->check(cli::Positive())->capture_default_str();
+  cmd->add_option("--eval-dataset", f->eval_dataset,
+                  "evaluate on this validation dataset (as --dataset; its --seq-len and --token-dtype): the loss of "
+                  "forward-only passes through the pipeline, beside the training loss");
+  cmd->add_option("--eval-every", f->eval_every, "evaluate after every N-th step and after the last (default: "
+                  "after the last only)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--eval-batches", f->eval_batches,
+                  "batches of --batch-size each evaluation reads, the dataset's first ones in order (default: up to "
+                  "100)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--resume-from", f->resume_from,
                   "start from job JOB's last checkpoint (its parameters, optimizer state, random generators and step): "
                   "the same model and split, with --steps counting the whole run; the learning-rate schedule and "

@@ -63,6 +63,15 @@ void LearningRates(const MetricsSnapshot& s, metrics::Exposition& x) {
   }
 }
 
+void EvalLosses(const MetricsSnapshot& s, metrics::Exposition& x) {
+  x.Family("pippy_job_eval_loss", "gauge",
+           "The last evaluation's loss (--eval-dataset) of an unfinished training job");
+  for (const Job& j : s.jobs) {
+    if (IsTerminal(j.state()) || j.evals_size() == 0) continue;
+    x.Sample("pippy_job_eval_loss", {{"job", j.job_id()}}, j.evals(j.evals_size() - 1).loss());
+  }
+}
+
 void Ages(const MetricsSnapshot& s, metrics::Exposition& x) {
   x.Family("pippy_worker_heartbeat_age_seconds", "gauge", "Time since each worker was last heard from");
   for (const MetricsSnapshot::Worker& w : s.workers) {
@@ -124,6 +133,7 @@ std::string CoordinatorMetrics::Text(const MetricsSnapshot& snapshot) const {
   Ages(snapshot, x);
   PeakMemory(snapshot, x);
   LearningRates(snapshot, x);
+  EvalLosses(snapshot, x);
   Serving(snapshot, x);
   return x.text();
 }

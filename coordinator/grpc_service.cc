@@ -92,6 +92,10 @@ ProgressEvent EventOf(const Job& job) {
   e.set_steps(job.spec().steps());
   if (job.losses_size() > 0) e.set_loss(job.losses(job.losses_size() - 1));
   if (job.learning_rates_size() > 0) e.set_lr(job.learning_rates(job.learning_rates_size() - 1));
+  if (job.evals_size() > 0) {
+    e.set_eval_loss(job.evals(job.evals_size() - 1).loss());
+    e.set_eval_step(job.evals(job.evals_size() - 1).step());
+  }
   e.set_samples_per_second(job.samples_per_second());
   e.set_bubble_fraction(job.bubble_fraction());
   // Why it ended, or else the latest event (a worker lost, a restart).

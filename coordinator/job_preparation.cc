@@ -10,6 +10,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -124,6 +125,7 @@ struct JobData {
   JobSpec spec;
   std::optional<stage::DataSource> data;  // a data file or synthetic data
   std::optional<DatasetLayout> dataset;   // or a dataset, indexed
+  std::optional<DatasetLayout> eval_dataset;  // the validation dataset (spec.eval), indexed
   std::vector<c10::IValue> example;
   c10::IValue target;  // training only
   int64_t samples = 0;
@@ -152,6 +154,65 @@ absl::Status ReadDataset(const std::vector<std::string>& names, const PrepareOpt
   PIPPY_ASSIGN_OR_RETURN(*first, reader->Read(0, spec.batch_size(), 0, 1));
   d->samples = index.samples();
   d->dataset = std::move(index);
+  return absl::OkStatus();
+}
+
+// A value's dtype and shape, "int64[8, 16]" (a tuple's or list's elements in brackets).
+std::string Describe(const c10::IValue& v) {
+  if (v.isTensor()) {
+    return absl::StrCat(c10::toString(v.toTensor().scalar_type()), "[", absl::StrJoin(v.toTensor().sizes(), ", "), "]");
+  }
+  std::vector<std::string> parts;
+  if (v.isTuple()) {
+    for (const c10::IValue& e : v.toTupleRef().elements()) parts.push_back(Describe(e));
+  } else if (v.isList()) {
+    for (const c10::IValue& e : v.toListRef()) parts.push_back(Describe(e));
+  } else {
+    return v.tagKind();
+  }
+  return absl::StrCat("(", absl::StrJoin(parts, ", "), ")");
+}
+
+// The validation dataset (spec.eval) indexed, its batches resolved into the spec, and
+// its first batch checked against the training data's (`train_first`).
+absl::Status ReadEvalDataset(const std::vector<std::string>& names, const PrepareOptions& options,
+                             const stage::Batch& train_first, JobData* d) {
+  JobSpec& spec = d->spec;
+  const DatasetSpec& ds = spec.eval().dataset();
+  absl::StatusOr<DatasetLayout> index = stage::IndexDataset(ds, names, spec.batch_size(), options.dataset_roots);
+  if (!index.ok()) {
+    return absl::Status(index.status().code(), absl::StrCat("eval.", index.status().message()));
+  }
+  const int64_t have = index->steps_per_epoch();
+  const int64_t want = spec.eval().batches() > 0 ? spec.eval().batches() : std::min<int64_t>(100, have);
+  if (want > have) {
+    return Bad("eval.batches", absl::StrCat(want, " batches of ", spec.batch_size(), " samples, but the validation "
+                                            "dataset '", ds.path(), "' holds ", index->samples(), " samples (",
+                                            have, " batches)"));
+  }
+  index->set_steps_per_epoch(want);
+  index->set_epochs(0);
+  std::vector<int> all(names.size());
+  for (size_t i = 0; i < names.size(); ++i) all[i] = static_cast<int>(i);
+  PIPPY_ASSIGN_OR_RETURN(std::unique_ptr<stage::Dataset> reader,
+                         stage::Dataset::Open(ds, *index, names, all, /*with_targets=*/true, spec.batch_size(),
+                                              spec.seed(), options.dataset_roots));
+  absl::StatusOr<stage::Batch> first = reader->Read(0, spec.batch_size(), 0, 1);
+  if (!first.ok()) return absl::Status(first.status().code(), absl::StrCat("eval.", first.status().message()));
+  for (size_t i = 0; i < names.size() && i < first->inputs.size() && i < train_first.inputs.size(); ++i) {
+    const std::string got = Describe(first->inputs[i]), want_text = Describe(train_first.inputs[i]);
+    if (got != want_text) {
+      return Bad("eval.dataset", absl::StrCat("'", ds.path(), "' gives input '", names[i], "' as ", got,
+                                              " per batch, the training data as ", want_text));
+    }
+  }
+  if (first->target.isNone()) return Bad("eval.dataset", absl::StrCat("'", ds.path(), "' has no targets"));
+  if (Describe(first->target) != Describe(train_first.target)) {
+    return Bad("eval.dataset", absl::StrCat("'", ds.path(), "' gives targets as ", Describe(first->target),
+                                            " per batch, the training data as ", Describe(train_first.target)));
+  }
+  spec.mutable_eval()->set_batches(static_cast<int32_t>(want));
+  d->eval_dataset = std::move(*index);
   return absl::OkStatus();
 }
 
@@ -184,6 +245,7 @@ absl::StatusOr<JobData> ReadData(const JobSpec& spec, const std::string& dir, co
     if (spec.data().synthetic().empty()) d.samples = data.num_samples();
     d.data = std::move(data);
   }
+  if (train && spec.has_eval()) PIPPY_RETURN_IF_ERROR(ReadEvalDataset(names, options, first, &d));
   const int m = spec.schedule().microbatches();
   const char* field = d.dataset ? "dataset" : "data";
   PIPPY_ASSIGN_OR_RETURN(auto mb_inputs, Field(field, stage::SplitIntoMicrobatches(first.inputs, m, {}, names)));
@@ -232,6 +294,14 @@ int64_t TokenLimit(const partition::Pipe& pipe) {
 // The job's layout's data part: the samples, and a dataset's index for the ranks that read it.
 void SetLayoutData(const JobData& d, const partition::Pipe* pipe, JobLayout* layout) {
   layout->set_data_samples(d.samples);
+  if (d.eval_dataset) {
+    DatasetLayout index = *d.eval_dataset;
+    if (index.tokens() && pipe != nullptr) index.set_token_limit(TokenLimit(*pipe));
+    *layout->mutable_eval_dataset() = index;
+    for (RankLayout& piece : *layout->mutable_ranks()) {
+      if (piece.model_inputs_size() > 0 || piece.targets()) *piece.mutable_eval_dataset() = index;
+    }
+  }
   if (!d.dataset) return;
   DatasetLayout index = *d.dataset;
   if (index.tokens() && pipe != nullptr) index.set_token_limit(TokenLimit(*pipe));

@@ -181,6 +181,11 @@ Job JobRun::Summary() const {
     j.add_learning_rates(last);
   }
   j.clear_step_seconds();
+  if (j.evals_size() > 1) {  // the last one only
+    const EvalPoint last = j.evals(j.evals_size() - 1);
+    j.clear_evals();
+    *j.add_evals() = last;
+  }
   j.clear_history();
   j.clear_breakdown();
   j.clear_edges();
@@ -354,6 +359,8 @@ std::optional<CompletedStep> JobRun::OnStepReport(const StepReport& report) {
   done.samples = job_.spec().batch_size();
   double busy = 0, loss = 0;
   int losses = 0;
+  double eval_sum = 0;
+  int evals = 0;
   job_.clear_breakdown();
   for (const auto& [rank, r] : reports) {
     busy += r.busy_seconds();
@@ -361,6 +368,10 @@ std::optional<CompletedStep> JobRun::OnStepReport(const StepReport& report) {
     if (r.has_loss()) {
       loss += r.loss();  // each replica's mean over its slice; the step's is their mean
       ++losses;
+    }
+    if (r.has_eval_loss()) {  // each replica's last stage, on its slice: the mean of theirs
+      eval_sum += r.eval_loss();
+      ++evals;
     }
     StepBreakdown* b = job_.add_breakdown();
     *b = r.breakdown();
@@ -379,6 +390,11 @@ std::optional<CompletedStep> JobRun::OnStepReport(const StepReport& report) {
   if (job_.spec().mode() == MODE_TRAIN) {
     job_.add_losses(loss);
     job_.add_learning_rates(report.lr());  // every rank's optimizer stepped with the same
+    if (evals > 0) {
+      EvalPoint* e = job_.add_evals();
+      e->set_step(report.step() + 1);
+      e->set_loss(eval_sum / evals);
+    }
   }
   job_.add_step_seconds(done.seconds);
   job_.set_samples_per_second(done.seconds > 0 ? job_.spec().batch_size() / done.seconds : 0);
@@ -479,6 +495,10 @@ void JobRun::Resumed(const Job& source, int step) {
   copy(source.losses(), job_.mutable_losses());
   copy(source.learning_rates(), job_.mutable_learning_rates());
   copy(source.step_seconds(), job_.mutable_step_seconds());
+  job_.clear_evals();
+  for (const EvalPoint& e : source.evals()) {
+    if (e.step() <= step) *job_.add_evals() = e;
+  }
   AddEvent(absl::StrCat("resumed from ", source.job_id(), "'s checkpoint after step ", step, ": its parameters, "
                         "optimizer state and random generators; steps ", step, " to ", job_.spec().steps(), " to run"));
   Touch();
@@ -529,6 +549,7 @@ void JobRun::Recover(const std::string& what) {
   job_.mutable_losses()->Truncate(std::min(job_.losses_size(), from));
   job_.mutable_learning_rates()->Truncate(std::min(job_.learning_rates_size(), from));
   job_.mutable_step_seconds()->Truncate(std::min(job_.step_seconds_size(), from));
+  while (job_.evals_size() > 0 && job_.evals(job_.evals_size() - 1).step() > from) job_.mutable_evals()->RemoveLast();
   job_.clear_breakdown();
   channels_.clear();
   addresses_.clear();

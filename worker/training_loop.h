@@ -1,6 +1,9 @@
 // A training (or inference) job's rank once it is up: its steps from the assignment's
 // start step to the job's end, a report to the coordinator after each
-// (report_builder.h), a checkpoint every spec.fault_tolerance.checkpoint_every steps,
+// (report_builder.h; with spec.eval, the evaluation's loss after the steps it follows,
+// every rank running the evaluation's batches through the pipeline forward only, the
+// ones reading inputs or targets from `eval_data`), a checkpoint every
+// spec.fault_tolerance.checkpoint_every steps,
 // and its results at the end: the trained stages (replica 0; the replicas hold the
 // same parameters), or an inference job's merged outputs from the last stage's rank.
 //
@@ -21,7 +24,7 @@ namespace pippy::worker {
 // DEADLINE_EXCEEDED when a peer is gone or silent; others naming the step); the
 // result stream's.
 absl::Status RunTrainingSteps(const Assignment& a, job::RankJob& rank_job, stage::BatchSource& data,
-                              const Writer& write, WorkerMetrics& metrics);
+                              stage::BatchSource* eval_data, const Writer& write, WorkerMetrics& metrics);
 
 }  // namespace pippy::worker
 

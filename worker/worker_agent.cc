@@ -219,6 +219,13 @@ absl::Status Agent::RunRank(ReceivedAssignment in) {
   for (const ModelValue& v : a.plan().inputs()) input_names.push_back(v.name());
   PIPPY_ASSIGN_OR_RETURN(std::unique_ptr<stage::BatchSource> data, OpenData(a, input_names, in.data));
   std::string().swap(in.data);
+  std::unique_ptr<stage::BatchSource> eval_data;  // the validation dataset (spec.eval), on the ranks reading it
+  if (a.layout().has_eval_dataset()) {
+    std::vector<int> inputs(a.layout().model_inputs().begin(), a.layout().model_inputs().end());
+    PIPPY_ASSIGN_OR_RETURN(eval_data, stage::Dataset::Open(spec.eval().dataset(), a.layout().eval_dataset(),
+                                                           input_names, inputs, a.layout().targets(),
+                                                           spec.batch_size(), spec.seed(), options_.dataset_roots));
+  }
   std::vector<std::pair<std::string, std::string>> ucx_config;
   if (!options_.ucx_tls.empty()) ucx_config = {{"TLS", options_.ucx_tls}};
   PIPPY_ASSIGN_OR_RETURN(auto transports, RankTransports::Create(a.rank(), world, torch_device_, ucx_config));
@@ -256,7 +263,7 @@ absl::Status Agent::RunRank(ReceivedAssignment in) {
   KeepFreedMemory();  // the stages are loaded: from here on, buffers are reused step after step
   const Writer write = [this](const WorkerMessage& m) { return session_->Write(m); };
   if (spec.has_serving()) return RunServing(a, *rank_job, control_, write, metrics_);
-  return RunTrainingSteps(a, *rank_job, *data, write, metrics_);
+  return RunTrainingSteps(a, *rank_job, *data, eval_data.get(), write, metrics_);
 }
 
 absl::Status RunAgent(const AgentOptions& options) {

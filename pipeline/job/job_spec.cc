@@ -53,6 +53,12 @@ bool CheckpointAfter(const JobSpec& spec, int steps_done) {
          steps_done % every == 0;
 }
 
+bool EvalAfter(const JobSpec& spec, int steps_done) {
+  if (!spec.has_eval() || spec.eval().dataset().path().empty() || spec.mode() != MODE_TRAIN) return false;
+  const int every = spec.eval().every();
+  return steps_done == spec.steps() || (every > 0 && steps_done > 0 && steps_done % every == 0);
+}
+
 bool KeepsFinalState(const JobSpec& spec) {
   return spec.mode() == MODE_TRAIN && !spec.has_serving() && spec.fault_tolerance().checkpoint_every() > 0 &&
          spec.steps() > 0;
@@ -123,6 +129,31 @@ absl::Status CheckData(JobSpec* spec) {
   return absl::OkStatus();
 }
 
+// Evaluation's fields; the validation dataset's sequence length and token width are
+// the training dataset's unless given.
+absl::Status CheckEval(JobSpec* spec) {
+  if (!spec->has_eval()) return absl::OkStatus();
+  EvalSpec* ev = spec->mutable_eval();
+  DatasetSpec* ds = ev->mutable_dataset();
+  if (ds->path().empty()) {
+    return Bad("eval.dataset.path", "evaluation needs a validation dataset (eval.every and eval.batches are its)");
+  }
+  if (spec->has_serving() || spec->mode() != MODE_TRAIN) return Bad("eval", "only a training job evaluates");
+  if (ds->path()[0] != '/') {
+    return Bad("eval.dataset.path", absl::StrCat("'", ds->path(), "' is not absolute: the workers read it where they run"));
+  }
+  if (ev->every() < 0) return Bad("eval.every", "must not be negative (0: after the last step only)");
+  if (ev->batches() < 0) return Bad("eval.batches", "must not be negative (0: up to 100)");
+  if (ev->batches() > 1000000) return Bad("eval.batches", "at most 1000000");
+  const DatasetSpec& train = spec->data().dataset();
+  if (ds->seq_len() == 0) ds->set_seq_len(train.seq_len());
+  if (ds->token_dtype() == TOKEN_DTYPE_UNSPECIFIED) ds->set_token_dtype(train.token_dtype());
+  if (ds->seq_len() < 0) return Bad("eval.dataset.seq_len", "must not be negative");
+  if (!TokenDtype_IsValid(ds->token_dtype())) return Bad("eval.dataset.token_dtype", "use uint16 or uint32");
+  ds->set_shuffle(false);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status CheckSpec(JobSpec* spec) {
@@ -154,6 +185,8 @@ absl::Status CheckSpec(JobSpec* spec) {
   if (spec->precision() == PRECISION_UNSPECIFIED) spec->set_precision(PRECISION_FP32);
   absl::Status data = CheckData(spec);
   if (!data.ok()) return data;
+  absl::Status eval = CheckEval(spec);
+  if (!eval.ok()) return eval;
   const bool in_epochs = spec->epochs() > 0;  // the steps come when the dataset is indexed
   if (spec->steps() < 1 && !spec->has_serving() && !in_epochs) return Bad("steps", "must be at least 1");
   if (spec->batch_size() < 1) return Bad("batch_size", "must be at least 1");

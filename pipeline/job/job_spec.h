@@ -72,6 +72,9 @@ bool CheckpointAfter(const JobSpec& spec, int steps_done);
 // coordinator keeps with the trained stages as the job's last checkpoint (to resume
 // from): a training job with checkpoints on. REQUIRES: CheckSpec(&spec) passed.
 bool KeepsFinalState(const JobSpec& spec);
+// Whether a training job with spec.eval evaluates once `steps_done` steps are done:
+// after every eval.every-th step and after the last. REQUIRES: CheckSpec(&spec) passed.
+bool EvalAfter(const JobSpec& spec, int steps_done);
 
 // Checks the fields of `spec` that need neither the model nor the data, and fills in
 // defaults: the mode from the schedule, stages per worker, weight decay, betas and eps,

@@ -72,6 +72,15 @@ absl::StatusOr<stage::StepResult> RankJob::RunStep(int step, stage::BatchSource&
   return runtime_->TrainStep(step, b.inputs, b.target);
 }
 
+absl::StatusOr<stage::StepResult> RankJob::EvalStep(int eval_step, int64_t batch_index, stage::BatchSource* data) {
+  if (schedule_.forward_only) return absl::FailedPreconditionError("an inference job does not evaluate");
+  stage::Batch b;
+  if (data != nullptr) {
+    PIPPY_ASSIGN_OR_RETURN(b, data->Read(batch_index, spec_.batch_size(), replica_, std::max(1, spec_.replicas())));
+  }
+  return runtime_->EvalStep(eval_step, b.inputs, b.target);
+}
+
 }  // namespace pippy::job
 
 namespace pippy::job {

@@ -58,6 +58,11 @@ class RankJob {
   // Errors: the runtime's, or reading the batch's (a dataset's, naming the shard).
   absl::StatusOr<stage::StepResult> RunStep(int step, stage::BatchSource& data);
 
+  // Evaluation batch `batch_index` of a training job (RankRuntime::EvalStep) read from
+  // `data` (this replica's slice; nullptr on a rank that reads neither inputs nor
+  // targets), numbered `eval_step` (consecutive over the job's evaluation batches).
+  absl::StatusOr<stage::StepResult> EvalStep(int eval_step, int64_t batch_index, stage::BatchSource* data);
+
   // A serving job's step: forward only on `inputs` (forward()'s arguments, None where
   // this rank reads none; any number of rows). See RankRuntime::InferenceStep, whose
   // ABORTED means the inputs did not fit the model and the next step may run.

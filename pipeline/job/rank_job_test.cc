@@ -179,6 +179,70 @@ TEST_P(RankJobStateTest, ResumedFromSavedState_BitwiseEqualsUninterrupted) {
 INSTANTIATE_TEST_SUITE_P(Optimizers, RankJobStateTest, ::testing::Values(OPTIMIZER_SGD, OPTIMIZER_ADAMW),
                          [](const auto& info) { return OptimizerName(info.param); });
 
+// An evaluation batch: forward only, micro-batch by micro-batch, over its own message
+// kind; on the last rank the mean of the micro-batches' losses, as the unsplit model in
+// eval mode computes it; the parameters and gradients stay as they were.
+TEST(RankJobEvalTest, EvalStepEqualsTheUnsplitModelsLossAndChangesNothing) {
+  torch::jit::setGraphExecutorOptimize(false);
+  auto model = torchio::LoadModel(Zoo("mlp.pt"));
+  ASSERT_TRUE(model.ok());
+  auto inputs = torchio::LoadExampleInputs(Zoo("mlp.input.pt"), *model);
+  auto target = torchio::LoadTorchSaved(Zoo("mlp.target.pt"));
+  ASSERT_TRUE(inputs.ok() && target.ok());
+  const int batch = static_cast<int>((*inputs)[0].toTensor().size(0));
+  JobSpec spec = SpecFor(OPTIMIZER_SGD, batch);
+  ASSERT_TRUE(CheckSpec(&spec).ok());
+  partition::SplitOptions so;
+  so.num_stages = 2;
+  auto pipe = partition::SplitModel(*model, so);
+  ASSERT_TRUE(pipe.ok()) << pipe.status();
+  std::vector<std::string> names;
+  for (const ModelValue& v : pipe->plan.inputs()) names.push_back(v.name());
+  auto data = stage::DataSource::FromValues(*inputs, *target, names);
+  ASSERT_TRUE(data.ok());
+  Ranks ranks;
+  MakeRanks(spec, pipe->plan, {Reload(pipe->stages[0]), Reload(pipe->stages[1])}, &ranks);
+  std::vector<at::Tensor> before;
+  std::vector<bool> modes;
+  for (int r = 0; r < 2; ++r) {
+    for (const auto& [s, m] : ranks.jobs[r]->stages()) {
+      modes.push_back(m.is_training());
+      for (const auto& p : m.parameters()) before.push_back(p.clone());
+    }
+  }
+  std::vector<absl::StatusOr<stage::StepResult>> results(2, absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] { results[r] = ranks.jobs[r]->EvalStep(/*eval_step=*/0, /*batch_index=*/0, &*data); });
+  }
+  for (auto& t : threads) t.join();
+  ASSERT_TRUE(results[0].ok()) << results[0].status();
+  ASSERT_TRUE(results[1].ok()) << results[1].status();
+  EXPECT_FALSE(results[0]->has_loss);
+  ASSERT_TRUE(results[1]->has_loss);
+  // The reference: the unsplit model, eval mode, no gradients, 4 micro-batches.
+  torch::NoGradGuard no_grad;
+  model->eval();
+  const at::Tensor x = (*inputs)[0].toTensor(), y = target->toTensor();
+  double want = 0;
+  for (int k = 0; k < 4; ++k) {
+    const at::Tensor out = model->forward({x.chunk(4, 0)[k]}).toTensor();
+    want += at::mse_loss(out, y.chunk(4, 0)[k]).item<double>();
+  }
+  want /= 4;
+  EXPECT_NEAR(results[1]->loss, want, 1e-6 * std::abs(want));
+  size_t i = 0, k = 0;
+  for (int r = 0; r < 2; ++r) {
+    for (const auto& [s, m] : ranks.jobs[r]->stages()) {
+      EXPECT_EQ(m.is_training(), modes[k++]) << "stage " << s << " was left in another mode";
+      for (const auto& p : m.parameters()) {
+        EXPECT_TRUE(torch::equal(p, before[i++]));
+        EXPECT_FALSE(p.grad().defined());
+      }
+    }
+  }
+}
+
 // Data parallelism: 2 replicas x 2 ranks (replica groups over real gloo TCP on
 // 127.0.0.1, each replica's ranks over loopback) train like one pipeline on the whole
 // batch with twice the micro-batches: each replica takes half of every batch and the

@@ -301,47 +301,96 @@ class TokenFormat : public Dataset::Format {
   ShardFiles& files() { return files_; }
 
   absl::StatusOr<Batch> Read(const std::vector<int64_t>& indices) override {
-    const int64_t n = static_cast<int64_t>(indices.size());
-    at::Tensor window = at::empty({n, seq_len_ + 1}, at::kLong);
-    std::vector<char> raw(static_cast<size_t>((seq_len_ + 1) * width_));
-    int64_t* out = window.data_ptr<int64_t>();
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t first = indices[static_cast<size_t>(j)] * seq_len_;
-      // The window's tokens, across shard boundaries.
-      int64_t done = 0;
-      while (done < seq_len_ + 1) {
-        const auto [s, at] = Locate(starts_, first + done);
-        const int64_t take = std::min(seq_len_ + 1 - done, layout_.shards(s).rows() - at);
-        PIPPY_RETURN_IF_ERROR(files_.Read(s, at * width_, take * width_, raw.data() + done * width_));
-        for (int64_t t = 0; t < take; ++t) {
-          const unsigned char* p = reinterpret_cast<const unsigned char*>(raw.data()) + (done + t) * width_;
-          uint64_t id = 0;
-          for (int b = width_ - 1; b >= 0; --b) id = (id << 8) | p[b];
-          if (layout_.token_limit() > 0 && id >= static_cast<uint64_t>(layout_.token_limit())) {
-            return absl::InvalidArgumentError(absl::StrCat(
-                "dataset: the shard '", files_.path(s), "' holds token id ", id, " at token ", at + t, " (byte ",
-                (at + t) * width_, "), outside the model's embedding of ", layout_.token_limit(),
-                " rows: the dataset was made for another vocabulary (or --token-dtype is not ", TokenName(dtype_),
-                ")"));
-          }
-          out[j * (seq_len_ + 1) + done + t] = static_cast<int64_t>(id);
+    const int64_t n = static_cast<int64_t>(indices.size()), L = seq_len_;
+    at::Tensor inputs, targets;
+    if (with_input_) inputs = at::empty({n, L}, at::kLong);
+    if (with_targets_) targets = at::empty({n, L}, at::kLong);
+    int64_t* in = with_input_ ? inputs.data_ptr<int64_t>() : nullptr;
+    int64_t* tg = with_targets_ ? targets.data_ptr<int64_t>() : nullptr;
+    // Runs of consecutive samples (all of a step's, in order) are one read: their
+    // windows share tokens. A shuffled step reads window by window.
+    for (int64_t j0 = 0; j0 < n;) {
+      int64_t j1 = j0 + 1;
+      while (j1 < n && indices[static_cast<size_t>(j1)] == indices[static_cast<size_t>(j1 - 1)] + 1) ++j1;
+      const int64_t first = indices[static_cast<size_t>(j0)] * L, count = (j1 - j0) * L + 1;
+      PIPPY_RETURN_IF_ERROR(ReadTokens(first, count));
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t w = (j - j0) * L;
+        if (width_ == 2) {
+          Widen<uint16_t>(w, L, in, tg, j * L);
+        } else {
+          Widen<uint32_t>(w, L, in, tg, j * L);
         }
-        done += take;
       }
+      j0 = j1;
     }
     Batch batch;
     batch.inputs.assign(static_cast<size_t>(num_arguments_), c10::IValue());
-    if (with_input_) batch.inputs[0] = window.narrow(1, 0, seq_len_).contiguous();
-    if (with_targets_) batch.target = window.narrow(1, 1, seq_len_).contiguous();
+    if (with_input_) batch.inputs[0] = std::move(inputs);
+    if (with_targets_) batch.target = std::move(targets);
     return batch;
   }
 
   int64_t bytes_read() const override { return files_.bytes_read(); }
 
  private:
+  // Tokens [first, first + count) of the stream, across shard boundaries, into raw_
+  // (ids checked against the layout's token_limit). Errors: ShardFiles::Read's;
+  // INVALID_ARGUMENT naming the shard and offset of an id past the limit.
+  absl::Status ReadTokens(int64_t first, int64_t count) {
+    raw_.resize(static_cast<size_t>(count * width_));
+    for (int64_t done = 0; done < count;) {
+      const auto [s, at] = Locate(starts_, first + done);
+      const int64_t take = std::min(count - done, layout_.shards(s).rows() - at);
+      PIPPY_RETURN_IF_ERROR(files_.Read(s, at * width_, take * width_, raw_.data() + done * width_));
+      done += take;
+    }
+    const int64_t limit = layout_.token_limit();
+    if (limit <= 0) return absl::OkStatus();
+    const uint64_t top = width_ == 2 ? Largest<uint16_t>(count) : Largest<uint32_t>(count);
+    if (top < static_cast<uint64_t>(limit)) return absl::OkStatus();
+    int64_t k = 0;
+    auto id = [&](int64_t t) { return width_ == 2 ? Token<uint16_t>(t) : Token<uint32_t>(t); };
+    while (id(k) < static_cast<uint64_t>(limit)) ++k;
+    const auto [s, at] = Locate(starts_, first + k);
+    return absl::InvalidArgumentError(absl::StrCat(
+        "dataset: the shard '", files_.path(s), "' holds token id ", id(k), " at token ", at, " (byte ", at * width_,
+        "), outside the model's embedding of ", limit,
+        " rows: the dataset was made for another vocabulary (or --token-dtype is not ", TokenName(dtype_), ")"));
+  }
+
+  // raw_'s t-th id (little-endian T).
+  template <typename T>
+  uint64_t Token(int64_t t) const {
+    T v;
+    std::memcpy(&v, raw_.data() + t * static_cast<int64_t>(sizeof(T)), sizeof(T));
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    v = sizeof(T) == 2 ? static_cast<T>(__builtin_bswap16(static_cast<uint16_t>(v)))
+                       : static_cast<T>(__builtin_bswap32(static_cast<uint32_t>(v)));
+#endif
+    return v;
+  }
+  template <typename T>
+  uint64_t Largest(int64_t count) const {
+    uint64_t top = 0;
+    for (int64_t t = 0; t < count; ++t) top = std::max(top, Token<T>(t));
+    return top;
+  }
+  // The window of L + 1 ids at raw_'s id `w`: its first L to in[at..], its last L to tg[at..].
+  template <typename T>
+  void Widen(int64_t w, int64_t L, int64_t* in, int64_t* tg, int64_t at) const {
+    if (in != nullptr) {
+      for (int64_t t = 0; t < L; ++t) in[at + t] = static_cast<int64_t>(Token<T>(w + t));
+    }
+    if (tg != nullptr) {
+      for (int64_t t = 0; t < L; ++t) tg[at + t] = static_cast<int64_t>(Token<T>(w + t + 1));
+    }
+  }
+
   const DatasetLayout layout_;
   ShardFiles files_;
   const std::vector<int64_t> starts_;
+  std::vector<char> raw_;  // the last read's bytes
   const int64_t seq_len_;
   const TokenDtype dtype_;
   const int width_;

@@ -103,6 +103,10 @@ struct RankRuntime::StepState {
   };
   int step = 0;
   bool training = true;
+  // An evaluation batch of a training job: forward only (training false), the loss on
+  // the last stage, activations under their own message kind.
+  bool evaluating = false;
+  Tag::Kind activation = Tag::Kind::kActivation;
   int m = 1;
   std::vector<std::vector<c10::IValue>> mb_inputs;
   std::vector<c10::IValue> mb_targets;
@@ -222,6 +226,17 @@ absl::StatusOr<std::unique_ptr<RankRuntime>> RankRuntime::Create(int rank, const
     }
   }
   if (!schedule.forward_only) {
+    // Evaluation batches: this rank's forwards, micro-batch by micro-batch and stage by
+    // stage (the stages are numbered in graph order, so each receive waits for a forward
+    // earlier in that order on another rank: no cycle), with their sends and receives.
+    schedule::Schedule eval = schedule;
+    eval.forward_only = true;
+    for (schedule::ActionList& l : eval.ranks) l.clear();
+    for (int mb = 0; mb < schedule.num_microbatches; ++mb) {
+      for (int st : schedule.StagesOf(rank)) eval.ranks[rank].push_back({st, ActionType::kForward, mb});
+    }
+    schedule::InsertCommunication(&eval);
+    rt->eval_actions_ = std::move(eval.ranks[rank]);
     std::vector<at::Tensor> params;
     for (const auto& [s, m] : rt->stages_) {
       for (const at::Tensor& p : rt->LocalParameters(s)) params.push_back(p);
@@ -397,8 +412,27 @@ absl::StatusOr<StepResult> RankRuntime::InferenceStep(int step, const std::vecto
   return RunStep(step, inputs, c10::IValue(), /*training=*/false);
 }
 
+absl::StatusOr<StepResult> RankRuntime::EvalStep(int eval_step, const std::vector<c10::IValue>& inputs,
+                                                 const c10::IValue& target) {
+  if (schedule_.forward_only) return absl::FailedPreconditionError("EvalStep needs a training job's runtime");
+  // As model.eval(): dropout off, batch norm on its running statistics (and no random
+  // numbers drawn, so that training goes on as it would have without the evaluation).
+  std::map<int, bool> was_training;
+  PIPPY_RETURN_IF_ERROR(TorchCall("switching the stages to eval mode", [&] {
+    for (auto& [s, m] : stages_) {
+      was_training[s] = m.is_training();
+      m.eval();
+    }
+  }));
+  absl::StatusOr<StepResult> r = RunStep(eval_step, inputs, target, /*training=*/false, /*evaluating=*/true);
+  PIPPY_RETURN_IF_ERROR(TorchCall("switching the stages back to their mode", [&] {
+    for (auto& [s, m] : stages_) m.train(was_training[s]);
+  }));
+  return r;
+}
+
 absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10::IValue>& inputs,
-                                                const c10::IValue& target, bool training) {
+                                                const c10::IValue& target, bool training, bool evaluating) {
   {
     absl::MutexLock lock(&cancel_mu_);
     if (cancelled_) return absl::CancelledError(absl::StrCat("rank ", rank_, ": step ", step, " was cancelled"));
@@ -408,6 +442,8 @@ absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10:
   StepState st;
   st.step = step;
   st.training = training;
+  st.evaluating = evaluating;
+  if (evaluating) st.activation = Tag::Kind::kEvalActivation;
   st.m = schedule_.num_microbatches;
   bool needs_inputs = false, holds_last = false;
   for (const auto& [s, m] : stages_) {
@@ -424,7 +460,7 @@ absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10:
     for (const auto& in : plan_.inputs()) names.push_back(in.name());
     PIPPY_ASSIGN_OR_RETURN(st.mb_inputs, SplitIntoMicrobatches(inputs, st.m, options_.input_chunks, names));
   }
-  if (training && holds_last) {
+  if ((training || evaluating) && holds_last) {
     PIPPY_ASSIGN_OR_RETURN(auto t, SplitIntoMicrobatches({target}, st.m, {}, {"target"}));
     for (auto& mb : t) st.mb_targets.push_back(mb[0]);
   }
@@ -437,7 +473,7 @@ absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10:
     }));
   }
   st.final_outputs.resize(st.m);
-  const auto& actions = schedule_.ranks[rank_];
+  const auto& actions = evaluating ? eval_actions_ : schedule_.ranks[rank_];
   // Data parallelism: each bucket of gradients is averaged across the replicas on the
   // reducer thread, one after the other, as its stage's last backward completes it.
   reductions_.clear();
@@ -553,6 +589,9 @@ absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10:
       result.loss = st.loss_sum / st.m;
       result.has_loss = true;
     }
+  } else if (holds_last && evaluating) {
+    result.loss = st.loss_sum / st.m;
+    result.has_loss = true;
   } else if (holds_last) {
     PIPPY_ASSIGN_OR_RETURN(result.output, MergeMicrobatches(st.final_outputs));
     if (!options_.device.is_cpu()) {
@@ -651,6 +690,12 @@ absl::Status RankRuntime::Forward(StepState& st, int s, int mb) {
       if (options_.autocast != c10::ScalarType::Undefined) out = ToFloat32(out);
       PIPPY_ASSIGN_OR_RETURN(saved.loss, ComputeLoss(options_.loss, module, out, st.mb_targets[mb]));
       st.loss_sum += saved.loss.item<double>();
+    } else if (st.evaluating) {
+      // The loss as training computes it (fp32), without gradients.
+      torch::NoGradGuard no_grad;
+      if (options_.autocast != c10::ScalarType::Undefined) out = ToFloat32(out);
+      PIPPY_ASSIGN_OR_RETURN(at::Tensor loss, ComputeLoss(options_.loss, module, out, st.mb_targets[mb]));
+      st.loss_sum += loss.item<double>();
     } else {
       st.final_outputs[mb] = out;
     }
@@ -683,7 +728,7 @@ absl::Status RankRuntime::SendForward(StepState& st, int s, int mb) {
       for (const auto& [c, k] : consumers_[s][j]) {
         const int peer = schedule_.stage_to_rank[c];
         if (peer == rank_) continue;
-        Tag tag = MakeTag(Tag::Kind::kActivation, st.step, mb, s, c, static_cast<int>(j));
+        Tag tag = MakeTag(st.activation, st.step, mb, s, c, static_cast<int>(j));
         st.pending_sends.emplace_back(transport_->Send(peer, tag, AbortValue(st.abort)),
                                       absl::StrCat("rank ", rank_, " sending ", tag.ToString(), " (abandoned) to rank ",
                                                    peer));
@@ -700,7 +745,7 @@ absl::Status RankRuntime::SendForward(StepState& st, int s, int mb) {
     for (const auto& [c, k] : consumers_[s][j]) {
       int peer = schedule_.stage_to_rank[c];
       if (peer == rank_) continue;
-      Tag tag = MakeTag(Tag::Kind::kActivation, st.step, mb, s, c, static_cast<int>(j));
+      Tag tag = MakeTag(st.activation, st.step, mb, s, c, static_cast<int>(j));
       c10::IValue v = it->second[j].isTensor() ? c10::IValue(it->second[j].toTensor().detach()) : it->second[j];
       st.bytes += TensorBytes(v);
       st.pending_sends.emplace_back(transport_->Send(peer, tag, v),
@@ -719,7 +764,7 @@ absl::Status RankRuntime::RecvForward(StepState& st, int s, int mb, const std::s
     if (si.source_case() != StageInput::kSourceStage) continue;
     int peer = schedule_.stage_to_rank[si.source_stage()];
     if (peer == rank_) continue;
-    Tag tag = MakeTag(Tag::Kind::kActivation, st.step, mb, si.source_stage(), s, si.source_output());
+    Tag tag = MakeTag(st.activation, st.step, mb, si.source_stage(), s, si.source_output());
     works.emplace_back(k, transport_->Recv(peer, tag));
   }
   auto& inbox = st.fwd_inbox[{s, mb}];

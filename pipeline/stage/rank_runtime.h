@@ -146,6 +146,16 @@ class RankRuntime {
   // Any other error leaves the rank unable to continue.
   absl::StatusOr<StepResult> InferenceStep(int step, const std::vector<c10::IValue>& inputs);
 
+  // An evaluation batch of a training job: forward only (no autograd state, no
+  // gradients, no optimizer step: the parameters stay as they are), and on the rank
+  // holding the last stage the loss as TrainStep computes it (the mean over the
+  // micro-batches of each one's loss). The rank runs its stages' forwards micro-batch
+  // by micro-batch, whatever the training schedule, with their activations under their
+  // own message kind (Tag::kEvalActivation), numbered by `eval_step` (consecutive over
+  // the job's evaluation batches). ABORTED as InferenceStep's.
+  absl::StatusOr<StepResult> EvalStep(int eval_step, const std::vector<c10::IValue>& inputs,
+                                      const c10::IValue& target);
+
   // Ends the step in progress and every later one with CANCELLED: the wait in progress
   // (if any) returns at once, compute already running finishes first. The only method
   // that may be called from another thread while a step runs (a daemon's cancel).
@@ -165,7 +175,7 @@ class RankRuntime {
   RankRuntime() = default;
   struct StepState;
   absl::StatusOr<StepResult> RunStep(int step, const std::vector<c10::IValue>& inputs, const c10::IValue& target,
-                                     bool training);
+                                     bool training, bool evaluating = false);
   absl::Status Execute(StepState& st, size_t position, const schedule::Action& action);
   absl::Status Forward(StepState& st, int stage, int mb);
   absl::Status Backward(StepState& st, int stage, int mb, bool inputs, bool weights);
@@ -191,6 +201,7 @@ class RankRuntime {
   PipelinePlan plan_;
   std::map<int, torch::jit::Module> stages_;
   schedule::Schedule schedule_;
+  schedule::ActionList eval_actions_;  // a training rank's evaluation batches (EvalStep)
   transport::Transport* transport_ = nullptr;
   RuntimeOptions options_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;

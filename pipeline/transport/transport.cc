@@ -29,6 +29,7 @@ std::string Tag::ToString() const {
     case Kind::kTiedGradient: k = "tied-gradient"; break;
     case Kind::kGradNorm: k = "grad-norm"; break;
     case Kind::kControl: k = "control"; break;
+    case Kind::kEvalActivation: k = "eval-activation"; break;
   }
   return absl::StrCat(k, " step=", step, " mb=", microbatch, " stage ", src_stage, "->", dst_stage, " #", index);
 }

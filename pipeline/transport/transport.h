@@ -41,6 +41,7 @@ struct Tag {
     kTiedGradient = 3,  // tied-weight gradient sync (index = tie group)
     kGradNorm = 4,      // global gradient-norm exchange
     kControl = 5,
+    kEvalActivation = 6,  // as kActivation, for an evaluation batch of a training job
   };
   Kind kind = Kind::kActivation;
   uint32_t step = 0;

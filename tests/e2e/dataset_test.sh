@@ -11,6 +11,7 @@
 #   - a shuffled job whose worker is killed mid-epoch resumes from its checkpoint and
 #     ends bitwise equal to the uninterrupted job;
 #   - tensor shards (torch.save files) for the zoo's MLP;
+#   - --resume-from and fetch --checkpoint; evaluation on a validation set;
 #   - refusals naming the file: outside --dataset-root, a shard of odd length, an
 #     empty folder, shards whose columns differ, and a token id outside the embedding
 #     (found when a rank reads it: the job fails naming shard and offset).
@@ -64,6 +65,9 @@ for i, n in enumerate([400, 625]):
 # A manifest naming the small one's shards.
 with open(f"{data}/small.txt", "w") as f:
     f.write("# the small dataset\nsmall/part_0.bin\nsmall/part_1.bin\n")
+# A validation set: 40 samples of 16 tokens (5 batches of 8).
+os.makedirs(f"{data}/val")
+rng.integers(0, 64, 641, dtype=np.uint16).tofile(f"{data}/val/part_0.bin")
 # Bad ones.
 os.makedirs(f"{data}/odd"); rng.integers(0, 64, 100, dtype=np.uint16).tofile(f"{data}/odd/a.bin")
 with open(f"{data}/odd/b.bin", "wb") as f: f.write(b"\x01\x00\x02")
@@ -272,6 +276,31 @@ resume_refused "--resume-from another optimizer" "its optimizer is adamw, this j
 resume_refused "--resume-from an unknown job" "--resume-from: no job 'job-999'" --optimizer adamw --stages 2 \
   --steps 30 --resume-from job-999
 wait_idle 4 || true
+
+# 5b. Evaluation: every 5 steps and after the last, 3 batches of the validation set
+#     through the pipeline forward only (ZB1P trains: the evaluation runs its own
+#     forward-only order); the losses equal the unsplit model's in eval mode, and the
+#     training is what it is without evaluation (bitwise).
+EV=(--dataset "$DATA/small" --seq-len 16 --microbatches 2 --batch-size 8 --steps 12 --loss model --optimizer adamw
+    --lr 0.003 --stages 2 --schedule zb1p)
+if job=$(submit_wait eval "$ZOO/gpt.pt" "${EV[@]}" --eval-dataset "$DATA/val" --eval-every 5 --eval-batches 3) &&
+   /usr/bin/python3 "$CHECK" "$ZOO/gpt.pt" - "$TMP/eval.pt" --dataset "$DATA/small" --seq-len 16 --steps 12 \
+     --batch-size 8 --microbatches 2 --loss model --optimizer adamw --lr 0.003 --tolerance 1e-5 \
+     --losses "$TMP/eval.json" --loss-tolerance 1e-5 --eval-dataset "$DATA/val" --eval-every 5 --eval-batches 3 \
+     > "$TMP/eval.check" 2>&1; then
+  ok "evaluation (--eval-every 5 --eval-batches 3, ZB1P): $(grep 'evaluation losses' "$TMP/eval.check" | cut -c1-260)"
+  ctl status "$job" | grep -q "eval loss  " && ok "status: $(ctl status "$job" | grep 'eval loss' | head -1)" ||
+    bad "status does not show the evaluation: $(ctl status "$job")"
+  if plain=$(submit_wait plain "$ZOO/gpt.pt" "${EV[@]}") && same_tensors "$TMP/plain.pt" "$TMP/eval.pt" > "$TMP/eval.same"; then
+    ok "training with evaluation equals training without: $(cat "$TMP/eval.same")"
+  else
+    bad "evaluation changed the training: $(cat "$TMP/eval.same" 2>/dev/null)"
+  fi
+else
+  bad "evaluation: $(tail -3 "$TMP/eval.out") $(cat "$TMP/eval.check" 2>/dev/null)"
+fi
+resume_refused "--eval-batches beyond the validation set" "--eval-batches: 9 batches of 8 samples, but the validation dataset" \
+  --optimizer adamw --stages 2 --steps 3 --eval-dataset "$DATA/val" --eval-batches 9
 
 # 6. Refusals, each naming the file.
 expect_refused() {  # NAME EXPECTED-TEXT ARGS...

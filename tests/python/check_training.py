@@ -8,7 +8,8 @@ usage: check_training.py MODEL.pt DATA.pt TRAINED.pt --steps N --batch-size B
                          [--losses JOB.json --loss-tolerance 0.01]
                          [--lr-schedule constant|linear|cosine --warmup-steps W --min-lr X]
        check_training.py MODEL.pt - TRAINED.pt --dataset DIR --seq-len L [--token-dtype uint16]
-                         [--shuffle on|off --seed S] ...
+                         [--shuffle on|off --seed S]
+                         [--eval-dataset DIR --eval-every N --eval-batches K --losses JOB.json] ...
 
 The reference: torch.jit.load(MODEL) trained with torch.optim for N steps; step k uses
 samples [k*B, (k+1)*B) of DATA (wrapping), with gradients accumulated over M equal
@@ -25,6 +26,9 @@ shards (*.bin in name order, one stream): sample i the window of L + 1 tokens at
 epochs of (T - 1) // L samples with the last partial batch dropped, each epoch in order
 or, with --shuffle on, in the order of the documented permutation (written here in
 Python from docs/data.md, not taken from pippy).
+--eval-dataset: after every N-th step and the last, the model in eval mode without
+gradients on the validation dataset's first K batches (in order), each batch's loss the
+mean of its micro-batches' (as the training loss); the job's evals must match.
 --losses: `pippyctl status JOB --output json`; its per-step losses must be within
 --loss-tolerance (relative) of the reference's.
 Prints the max relative difference over all parameters; exit 1 if above tolerance.
@@ -133,6 +137,10 @@ def main():
     ap.add_argument("--token-dtype", choices=["uint16", "uint32"], default="uint16")
     ap.add_argument("--shuffle", choices=["on", "off"], default="off")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-dataset", help="a validation token dataset (needs --losses: the job's evals)")
+    ap.add_argument("--eval-every", type=int, default=0)
+    ap.add_argument("--eval-batches", type=int, default=0)
+    ap.add_argument("--eval-tolerance", type=float, default=1e-5)
     a = ap.parse_args()
     torch.set_num_threads(1)
     if a.dtype == "bf16":
@@ -205,6 +213,20 @@ def main():
 
     m = a.microbatches
     losses = []
+    evals = []  # (steps done, loss): model.eval(), no_grad, the mean of the micro-batches' losses
+    val = TokenBatches(a.eval_dataset, a.seq_len, a.token_dtype, False, 0, a.batch_size) if a.eval_dataset else None
+
+    def evaluate(done):
+        model.eval()
+        total = 0.0
+        with torch.no_grad():
+            for b in range(a.eval_batches):
+                vb, vt = val(b)
+                vchunks, vtchunks = vb[0].chunk(m, 0), vt.chunk(m, 0)
+                total += sum(loss_fn(as_fp32(model(vchunks[k])), vtchunks[k]).item() for k in range(m)) / m
+        model.train()
+        evals.append((done, total / a.eval_batches))
+
     for step in range(a.steps):
         batch, tgt = get_batch(step)
         batch = [t.to(device) if isinstance(t, torch.Tensor) else t for t in batch]
@@ -224,6 +246,8 @@ def main():
         opt.zero_grad(set_to_none=True)
         if sched is not None:
             sched.step()
+        if val is not None and (step + 1 == a.steps or (a.eval_every > 0 and (step + 1) % a.eval_every == 0)):
+            evaluate(step + 1)
 
     status = 0
     if a.losses:
@@ -244,6 +268,17 @@ def main():
         print(f"{'ok  ' if lr_ok else 'FAIL'} learning rates ({a.lr_schedule}, warm-up {W}) equal torch's schedulers' "
               f"step for step: pippy {got_lrs[:3]}...{got_lrs[-2:]}, torch {used_lrs[:3]}...{used_lrs[-2:]}")
         status = status if lr_ok else 1
+        if val is not None:
+            got_evals = [(e.get("step", 0), e["loss"]) for e in reported.get("evals", [])]
+            steps_ok = [g[0] for g in got_evals] == [w[0] for w in evals]
+            worst_eval = max((abs(g[1] - w[1]) / max(abs(w[1]), 1e-30) for g, w in zip(got_evals, evals)),
+                             default=float("inf"))
+            eval_ok = steps_ok and worst_eval <= a.eval_tolerance
+            print(f"{'ok  ' if eval_ok else 'FAIL'} evaluation losses vs the unsplit model's forward (eval mode, "
+                  f"no_grad) on the same {a.eval_batches} validation batches: max relative difference "
+                  f"{worst_eval:.3g} at steps {[g[0] for g in got_evals]} (PyTorch's at {[w[0] for w in evals]}); "
+                  f"pippy {[round(g[1], 5) for g in got_evals]}, PyTorch {[round(w[1], 5) for w in evals]}")
+            status = status if eval_ok else 1
 
     trained = torch.jit.load(a.trained, map_location=device)
     want = model.state_dict()

@@ -128,7 +128,8 @@ def make_spec(model_path, data_path=None, *, stages=0, split_at=(), balance="par
               beta1=None, beta2=None, eps=None, clip_grad_norm=0.0, name=None, seed=0, synthetic="",
               stages_per_worker=0, replicas=1, checkpoint_every=None, max_restarts=None, recovery_timeout_s=None,
               dtype="fp32", lr_schedule=None, warmup_steps=0, min_lr=0.0, dataset=None, seq_len=0,
-              token_dtype=None, shuffle=False, epochs=0, resume_from=""):
+              token_dtype=None, shuffle=False, epochs=0, resume_from="", eval_dataset=None, eval_every=0,
+              eval_batches=0):
     """The JobSpec pippyctl submit would send (the coordinator checks it again).
     dtype: "fp32" or "bf16" (autocast to bfloat16, fp32 weights; pippyctl's --dtype).
     lr_schedule: "constant", "linear" or "cosine", with warmup_steps and min_lr (pippyctl's
@@ -136,7 +137,9 @@ def make_spec(model_path, data_path=None, *, stages=0, split_at=(), balance="par
     dataset: a folder or manifest of shards the workers read themselves (docs/data.md),
     with seq_len, token_dtype ("uint16", "uint32") and shuffle for token streams; epochs
     instead of steps. resume_from: a job id whose last checkpoint this job starts from
-    (steps then count the whole run)."""
+    (steps then count the whole run). eval_dataset: a validation dataset, evaluated after
+    every eval_every-th step and the last on its first eval_batches batches; the record's
+    "evals" list each evaluation's step and loss."""
     if epochs and steps == 1:
         steps = 0  # epochs give the steps
     spec = job_pb2.JobSpec(name=name or os.path.splitext(os.path.basename(model_path))[0], steps=steps,
@@ -174,6 +177,10 @@ def make_spec(model_path, data_path=None, *, stages=0, split_at=(), balance="par
         spec.data.dataset.shuffle = bool(shuffle)
         if token_dtype:
             spec.data.dataset.token_dtype = _enum(job_pb2.TokenDtype, token_dtype, "token_dtype")
+    if eval_dataset:
+        spec.eval.dataset.path = os.path.abspath(eval_dataset)
+        spec.eval.every = eval_every
+        spec.eval.batches = eval_batches
     for field, value in (("checkpoint_every", checkpoint_every), ("max_restarts", max_restarts),
                          ("recovery_timeout_s", recovery_timeout_s)):
         if value is not None:
@@ -346,7 +353,8 @@ class Client:
 
     def watch(self, job_id):
         """Yields progress events (dicts: state, step, steps, loss, samples_per_second,
-        message) until the job ends, each change once; loss is None before the first step."""
+        message, lr, and eval_loss with eval_step once a job evaluated) until the job ends,
+        each change once; loss is None before the first step."""
         stream = self._stub.WatchJob(coordinator_pb2.WatchJobRequest(job_id=job_id), metadata=self._metadata)
         last = None
         try:
