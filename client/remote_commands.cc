@@ -208,7 +208,8 @@ void PrintJob(const Job& j) {
   if (!j.spec().data().synthetic().empty()) std::cout << ", synthetic data " << j.spec().data().synthetic();
   if (const DatasetSpec& ds = j.spec().data().dataset(); !ds.path().empty()) {
     const DatasetSummary& d = j.dataset();
-    std::cout << "\n  dataset " << ds.path() << ": " << d.shards() << (d.tokens() ? " token shards" : " tensor shards")
+    std::cout << "\n  dataset " << (ds.uploaded() ? ds.uploaded_from() + " (uploaded)" : ds.path()) << ": "
+              << d.shards() << (d.tokens() ? " token shards" : " tensor shards")
               << ", " << d.samples() << " samples";
     if (d.tokens()) std::cout << " of " << ds.seq_len() << " tokens";
     std::cout << ", shuffle " << (ds.shuffle() ? "on" : "off");
@@ -432,6 +433,7 @@ absl::Status SetPrecision(const std::string& dtype, JobSpec* spec) {
 struct SubmitFlags {
   std::string model, data, synthetic, name, dtype = "fp32";
   std::string dataset, token_dtype, shuffle = "off", resume_from, eval_dataset;
+  bool dataset_upload = false;
   int eval_every = 0, eval_batches = 0;
   int seq_len = 0, epochs = 0;
   SplitFlags split;
@@ -507,6 +509,8 @@ absl::StatusOr<JobSpec> SpecFrom(const SubmitFlags& f) {
     ds->set_path(std::filesystem::absolute(f.dataset).lexically_normal().string());
     ds->set_seq_len(f.seq_len);
     ds->set_shuffle(f.shuffle == "on");
+    ds->set_uploaded(f.dataset_upload);
+    if (f.dataset_upload) ds->set_uploaded_from(ds->path());
     if (!f.token_dtype.empty()) {
       auto dtype = job::ParseTokenDtype(f.token_dtype);
       if (!dtype.ok()) return absl::InvalidArgumentError(absl::StrCat("data.dataset.token_dtype: ", dtype.status().message()));
@@ -548,10 +552,73 @@ absl::Status Stream(grpc::ClientWriter<SubmitJobRequest>* writer, const std::str
   return absl::OkStatus();
 }
 
+// Streams shard `path` of an uploaded dataset as DatasetFileChunks named `name`.
+absl::Status StreamShard(grpc::ClientWriter<SubmitJobRequest>* writer, const std::string& path,
+                         const std::string& name) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open '", path, "': no such file or not readable"));
+  SubmitJobRequest req;
+  DatasetFileChunk* c = req.mutable_dataset_file();
+  c->set_name(name);
+  std::string* chunk = c->mutable_chunk();
+  while (true) {
+    chunk->resize(kChunk);
+    in.read(chunk->data(), static_cast<std::streamsize>(chunk->size()));
+    const std::streamsize n = std::max<std::streamsize>(0, in.gcount());
+    chunk->resize(static_cast<size_t>(n));
+    c->set_last_chunk(!in);  // a short read: the end (an empty file sends one empty last chunk)
+    if (in.bad()) return absl::UnavailableError(absl::StrCat("reading '", path, "' failed"));
+    if (!writer->Write(req)) return absl::OkStatus();  // the coordinator refused; Finish says why
+    if (c->last_chunk()) return absl::OkStatus();
+  }
+}
+
+// The shards of the dataset at `path` as the coordinator would list them (docs/data.md):
+// a folder's *.bin and *.pt files in name order, or a manifest's lines. What they hold
+// is checked by the coordinator once they are uploaded.
+absl::StatusOr<std::vector<std::string>> ListShards(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::vector<std::string> shards;
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    for (fs::directory_iterator d(path, ec), end; !ec && d != end; d.increment(ec)) {
+      const std::string name = d->path().filename().string();
+      if (d->is_regular_file() && (absl::EndsWith(name, ".bin") || absl::EndsWith(name, ".pt"))) {
+        shards.push_back(d->path().string());
+      }
+    }
+    std::sort(shards.begin(), shards.end());
+  } else {
+    std::ifstream in(path);
+    if (!in) return absl::NotFoundError(absl::StrCat("data.dataset: cannot read '", path, "'"));
+    const fs::path base = fs::path(path).parent_path();
+    for (std::string line; std::getline(in, line);) {
+      const std::string entry(absl::StripAsciiWhitespace(line));
+      if (entry.empty() || entry[0] == '#') continue;
+      shards.push_back(fs::path(entry).is_absolute() ? entry : (base / entry).string());
+    }
+  }
+  if (shards.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("data.dataset: '", path, "' holds no shards (*.bin or *.pt)"));
+  }
+  return shards;
+}
+
+// An uploaded shard's name: its position (the shards sort by name in the dataset's
+// order) and its file name with other characters than [A-Za-z0-9._-] as '_'.
+std::string ShardName(size_t i, const std::string& path) {
+  std::string base = std::filesystem::path(path).filename().string();
+  for (char& ch : base) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(ch)) && ch != '.' && ch != '_' && ch != '-') ch = '_';
+  }
+  return absl::StrFormat("%08d_%s", i, base.substr(0, 150));
+}
+
 // Submits the spec, the model and the data file (if any); returns the job's id.
 // `detach`: the coordinator answers once the upload is stored (SubmitJobRequest.detach).
 absl::StatusOr<std::string> Submit(Coordinator::Stub* stub, const JobSpec& spec, const std::string& model,
-                                   const std::string& data, const GlobalFlags& g, bool detach = false) {
+                                   const std::string& data, const GlobalFlags& g, bool detach = false,
+                                   const std::vector<std::string>& shards = {}) {
   grpc::ClientContext ctx;
   Authorize(&ctx, g);
   SubmitJobResponse resp;
@@ -563,6 +630,9 @@ absl::StatusOr<std::string> Submit(Coordinator::Stub* stub, const JobSpec& spec,
   if (writer->Write(first)) {
     streamed = Stream(writer.get(), model, /*model=*/true);
     if (streamed.ok() && !data.empty()) streamed = Stream(writer.get(), data, /*model=*/false);
+    for (size_t i = 0; streamed.ok() && i < shards.size(); ++i) {
+      streamed = StreamShard(writer.get(), shards[i], ShardName(i, shards[i]));
+    }
   }
   if (!streamed.ok()) {
     ctx.TryCancel();
@@ -584,8 +654,14 @@ absl::StatusOr<std::string> Submit(Coordinator::Stub* stub, const JobSpec& spec,
 int RunSubmit(const SubmitFlags& f, const GlobalFlags& g) {
   auto spec = SpecFrom(f);
   if (!spec.ok()) return Fail(kProgram, InCliWords(spec.status(), f.model, f.data));
+  std::vector<std::string> shards;
+  if (f.dataset_upload) {
+    absl::StatusOr<std::vector<std::string>> listed = ListShards(f.dataset);
+    if (!listed.ok()) return Fail(kProgram, InCliWords(listed.status(), f.model, f.data));
+    shards = std::move(*listed);
+  }
   auto stub = Connect(g);
-  absl::StatusOr<std::string> id = Submit(stub.get(), *spec, f.model, f.data, g, f.detach);
+  absl::StatusOr<std::string> id = Submit(stub.get(), *spec, f.model, f.data, g, f.detach, shards);
   if (!id.ok()) return Fail(kProgram, InCliWords(id.status(), f.model, f.data));
   const bool json = g.output == "json";
   if (!f.wait) return kExitOk;
@@ -618,6 +694,11 @@ void AddSubmit(CLI::App& root, const GlobalFlags& g, int* exit_code) {
                                   "(*.bin) or tensor shards (*.pt), or a manifest file listing them, at a path every "
                                   "worker and the coordinator can read (under their --dataset-root)");
   dataset->excludes(data)->excludes(synthetic);
+  cmd->add_flag("--dataset-upload", f->dataset_upload,
+                "send the --dataset's shards with the submission, for workers that share no file system: the "
+                "coordinator keeps them for the job and streams each rank that reads them its copy, which it keeps "
+                "on its disk (--scratch-dir) while it runs")
+      ->needs(dataset);
   cmd->add_option("--seq-len", f->seq_len, "token streams: tokens per sample (each sample reads L + 1)")
       ->check(cli::Positive());
   cli::AddNameOption<TokenDtype>(cmd, "--token-dtype", &f->token_dtype, "token dtype",

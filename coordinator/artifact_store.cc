@@ -10,6 +10,7 @@
 #include <fstream>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -20,10 +21,41 @@ namespace fs = std::filesystem;
 Upload::~Upload() {
   model_.Close(/*sync=*/false).IgnoreError();
   data_.Close(/*sync=*/false).IgnoreError();
+  shard_.Close(/*sync=*/false).IgnoreError();
   if (!accepted_) {
     std::error_code ec;
     fs::remove_all(dir_, ec);
+    fs::remove_all(dataset_dir_, ec);
   }
+}
+
+absl::Status Upload::AppendDatasetFile(const std::string& name, absl::string_view chunk, bool last) {
+  const bool plain = !name.empty() && name.size() <= 200 && name[0] != '.' &&
+                     name.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-") ==
+                         std::string::npos &&
+                     (absl::EndsWith(name, ".bin") || absl::EndsWith(name, ".pt"));
+  if (!plain) {
+    return absl::InvalidArgumentError(absl::StrCat("data.dataset: the uploaded shard name '", name.substr(0, 200),
+                                                   "' is not a plain file name ending .bin or .pt"));
+  }
+  const std::string path = dataset_dir_ + "/" + name;
+  if (!shard_.is_open()) {
+    if (dataset_names_.count(name) > 0) {
+      return absl::InvalidArgumentError(absl::StrCat("data.dataset: the shard '", name, "' was uploaded twice"));
+    }
+    std::error_code ec;
+    fs::create_directories(dataset_dir_, ec);
+    if (ec) return absl::UnavailableError(absl::StrCat("cannot create '", dataset_dir_, "': ", ec.message()));
+    PIPPY_RETURN_IF_ERROR(shard_.Open(path));
+    dataset_names_.insert(name);
+  } else if (dataset_names_.count(name) == 0 || shard_.path() != path) {
+    return absl::InvalidArgumentError(absl::StrCat("data.dataset: the shard '", name, "' began before the shard '",
+                                                   fs::path(shard_.path()).filename().string(), "' ended"));
+  }
+  PIPPY_RETURN_IF_ERROR(shard_.Append(chunk));
+  dataset_bytes_ += static_cast<int64_t>(chunk.size());
+  if (last) PIPPY_RETURN_IF_ERROR(shard_.Close());
+  return absl::OkStatus();
 }
 
 absl::Status Upload::Append(FileWriter& out, const std::string& path, absl::string_view chunk) {
@@ -68,7 +100,7 @@ absl::StatusOr<std::unique_ptr<Upload>> ArtifactStore::NewUpload() {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return absl::UnavailableError(absl::StrCat("cannot create '", dir, "': ", ec.message()));
-  return std::unique_ptr<Upload>(new Upload(dir));
+  return std::unique_ptr<Upload>(new Upload(dir, absl::StrCat(DatasetsDir(), "/", getpid(), "-", n)));
 }
 
 absl::Status ArtifactStore::Accept(Upload& upload, const std::string& job_id) {
@@ -223,6 +255,19 @@ void ArtifactStore::RemoveAllOf(const std::string& job_id) {
       fs::remove(d->path(), rm);
     }
   }
+}
+
+std::string ArtifactStore::DatasetsDir() const {
+  std::error_code ec;
+  return fs::absolute(state_dir_ + "/datasets", ec).lexically_normal().string();
+}
+
+void ArtifactStore::RemoveUploadedDataset(const std::string& dir) {
+  const std::string prefix = DatasetsDir() + "/";
+  if (dir.rfind(prefix, 0) != 0 || dir.size() == prefix.size() || dir.find("..") != std::string::npos) return;
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+  if (ec) log::Warn("could not remove the uploaded dataset '{}': {}", dir, ec.message());
 }
 
 void ArtifactStore::RemoveJobFiles(const std::string& job_id, int keep_checkpoint) {

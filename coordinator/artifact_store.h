@@ -3,6 +3,9 @@
 //
 //   uploads/<n>/            a submission while it arrives (model.pt, data.pt); removed
 //                           unless the job is accepted, then renamed to jobs/<job>/
+//   datasets/<n>/           a dataset uploaded with submission n (--dataset-upload): its
+//                           shards; it stays where it is (the job's spec names it) until
+//                           the job ends
 //   jobs/<job>/model.pt     the submitted model (read again to assemble the result)
 //   jobs/<job>/stage_<s>.pt each stage's TorchScript, as shipped to its worker
 //   jobs/<job>/share_<r>.pt rank r's share of the data (see DataSource::ShareBytes)
@@ -29,6 +32,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -50,6 +54,11 @@ class Upload {
   // Errors: UNAVAILABLE when the disk write fails (the message names the file).
   absl::Status AppendModel(absl::string_view chunk);
   absl::Status AppendData(absl::string_view chunk);
+  // A chunk of shard `name` of an uploaded dataset (DatasetFileChunk); `last` closes it.
+  // Errors: INVALID_ARGUMENT for a name that is not a plain shard name (letters, digits,
+  // '.', '_', '-'; .bin or .pt), a shard sent twice or interleaved with another;
+  // UNAVAILABLE when the disk write fails.
+  absl::Status AppendDatasetFile(const std::string& name, absl::string_view chunk, bool last);
   // Closes and fsyncs both files. Errors: UNAVAILABLE.
   absl::Status Close();
 
@@ -58,15 +67,23 @@ class Upload {
   std::string data_path() const { return dir_ + "/data.pt"; }  // exists only if data came
   int64_t model_bytes() const { return model_.bytes(); }
   int64_t data_bytes() const { return data_.bytes(); }
+  // The uploaded dataset's folder (datasets/<n>), its shards and bytes so far.
+  const std::string& dataset_dir() const { return dataset_dir_; }
+  int dataset_files() const { return static_cast<int>(dataset_names_.size()); }
+  int64_t dataset_bytes() const { return dataset_bytes_; }
 
  private:
   friend class ArtifactStore;
-  explicit Upload(std::string dir) : dir_(std::move(dir)) {}
+  Upload(std::string dir, std::string dataset_dir) : dir_(std::move(dir)), dataset_dir_(std::move(dataset_dir)) {}
   absl::Status Append(FileWriter& out, const std::string& path, absl::string_view chunk);
 
   std::string dir_;
   bool accepted_ = false;
   FileWriter model_, data_;  // written back to disk while the upload arrives
+  std::string dataset_dir_;
+  FileWriter shard_;                  // the shard arriving
+  std::set<std::string> dataset_names_;
+  int64_t dataset_bytes_ = 0;
 };
 
 class ArtifactStore {
@@ -155,6 +172,9 @@ class ArtifactStore {
   void RemoveJobFiles(const std::string& job_id, int keep_checkpoint = 0);
   // Removes the job's folder and what FetchModel serves for it (the job is deleted).
   void RemoveAllOf(const std::string& job_id);
+  // Removes an uploaded dataset's folder (`dir` must be one of datasets/; else nothing).
+  void RemoveUploadedDataset(const std::string& dir);
+  std::string DatasetsDir() const;  // absolute
 
   // Reads `path` in pieces of at most `chunk_bytes` and hands each to `sink`; the
   // sink's first error stops the reading and is returned.

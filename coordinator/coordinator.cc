@@ -221,12 +221,15 @@ static std::vector<std::string> NoticesFor(const PreparedJob& p, int registered)
   return notices;
 }
 
-PrepareOptions Coordinator::PrepareOptionsFor(std::shared_ptr<const std::atomic<bool>> ended) const {
+PrepareOptions Coordinator::PrepareOptionsFor(std::shared_ptr<const std::atomic<bool>> ended,
+                                              const JobSpec& spec) const {
   PrepareOptions prepare;
   prepare.preparer = options_.child_binary;
   prepare.timeout = options_.prepare_timeout;
   prepare.probe_timeout = options_.probe_timeout;
   prepare.dataset_roots = options_.dataset_roots;
+  const DatasetSpec& ds = spec.data().dataset();
+  if (ds.uploaded() && ds.path().rfind(artifacts_->DatasetsDir() + "/", 0) == 0) prepare.dataset_roots.push_back(ds.path());
   prepare.cancelled = [this, ended = std::move(ended)] { return stopping_.load() || (ended && ended->load()); };
   return prepare;
 }
@@ -274,7 +277,7 @@ absl::StatusOr<std::string> Coordinator::SubmitJob(const JobSpec& spec, std::uni
   }
   absl::Status slot = AcquireModelSlot();
   if (!slot.ok()) return slot;
-  absl::StatusOr<PreparedJob> prepared = PrepareJob(spec, upload->dir(), PrepareOptionsFor(nullptr));
+  absl::StatusOr<PreparedJob> prepared = PrepareJob(spec, upload->dir(), PrepareOptionsFor(nullptr, spec));
   ReleaseModelSlot();
   if (!prepared.ok()) return prepared.status();
   absl::MutexLock lock(&mu_);
@@ -338,7 +341,7 @@ void Coordinator::PrepareDetached(const std::string& job_id, const JobSpec& spec
   }
   if (!AcquireModelSlot().ok()) return;  // stopping: a restart prepares it again
   absl::StatusOr<PreparedJob> prepared =
-      ended->load() ? absl::CancelledError("ended") : PrepareJob(spec, artifacts_->JobDir(job_id), PrepareOptionsFor(ended));
+      ended->load() ? absl::CancelledError("ended") : PrepareJob(spec, artifacts_->JobDir(job_id), PrepareOptionsFor(ended, spec));
   ReleaseModelSlot();
   Outbox out;
   bool cancelled = false;

@@ -181,7 +181,8 @@ class Coordinator {
   absl::Status CheckUserQueue(const std::string& user);
   // How children prepare submissions (deadlines, binary), stopping with the coordinator
   // and when `ended` (a detached job's stop flag; may be null) is set.
-  PrepareOptions PrepareOptionsFor(std::shared_ptr<const std::atomic<bool>> ended) const;
+  // An uploaded dataset's folder (spec's) is one more root, for that job only.
+  PrepareOptions PrepareOptionsFor(std::shared_ptr<const std::atomic<bool>> ended, const JobSpec& spec) const;
   // A detached submission (PARTITIONING, its files in its job folder): prepared on a
   // task thread, then queued or FAILED. Ends quietly when the job was cancelled or
   // deleted meanwhile; when the coordinator stops, the record stays PARTITIONING and a

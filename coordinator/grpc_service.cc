@@ -1,6 +1,7 @@
 #include "coordinator/grpc_service.h"
 
 #include <deque>
+#include <filesystem>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -164,6 +165,21 @@ grpc::Status CoordinatorGrpc::SubmitJob(grpc::ServerContext* context, grpc::Serv
                             absl::StrCat("model: larger than the coordinator's limit of ", limits_.max_model_bytes >> 20,
                                          " MiB (--max-model-mib raises it)"));
       }
+    } else if (req.has_dataset_file()) {
+      if (!spec.data().dataset().uploaded()) {
+        return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                            "data.dataset: shards were sent, but data.dataset.uploaded is not set");
+      }
+      data_started = true;
+      const DatasetFileChunk& f = req.dataset_file();
+      s = (*upload)->AppendDatasetFile(f.name(), f.chunk(), f.last_chunk());
+      if (s.ok() && limits_.max_dataset_bytes > 0 && (*upload)->dataset_bytes() > limits_.max_dataset_bytes) {
+        return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                            absl::StrCat("data.dataset: the uploaded dataset is larger than the coordinator's limit of ",
+                                         limits_.max_dataset_bytes >> 30,
+                                         " GiB (--max-dataset-upload-gib raises it; or put it on a path the workers "
+                                         "share, without --dataset-upload)"));
+      }
     } else if (req.has_data_chunk()) {
       data_started = true;
       s = (*upload)->AppendData(req.data_chunk());
@@ -179,6 +195,18 @@ grpc::Status CoordinatorGrpc::SubmitJob(grpc::ServerContext* context, grpc::Serv
   }
   if (idle->fired()) return IdleError("SubmitJob", context, limits_.stream_idle_timeout);
   idle.reset();
+  if (spec.data().dataset().uploaded()) {
+    if ((*upload)->dataset_files() == 0) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "data.dataset: data.dataset.uploaded is set but no shard came (DatasetFileChunk)");
+    }
+    // The coordinator's copy is the dataset the job reads; where the client read it
+    // stays for display.
+    DatasetSpec* ds = spec.mutable_data()->mutable_dataset();
+    if (ds->uploaded_from().empty()) ds->set_uploaded_from(ds->path());
+    std::error_code ec;
+    ds->set_path(std::filesystem::absolute((*upload)->dataset_dir(), ec).lexically_normal().string());
+  }
   // The upload is over: its slot of --max-concurrent-streams is free for the next one
   // while this submission is prepared.
   stream->reset();

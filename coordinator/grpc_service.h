@@ -20,6 +20,7 @@ grpc::Status ToGrpc(const absl::Status& s);
 struct Limits {
   int64_t max_model_bytes = 0;     // --max-model-mib
   int64_t max_data_bytes = 0;      // --max-data-mib
+  int64_t max_dataset_bytes = 0;   // --max-dataset-upload-gib: an uploaded dataset's shards together
   int max_concurrent_streams = 0;  // --max-concurrent-streams: SubmitJob and FetchModel at once
   // --stream-idle-timeout-s: an upload (SubmitJob) that sends nothing, or a download
   // (FetchModel) whose client reads nothing, for this long is cancelled and its stream

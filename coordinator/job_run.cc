@@ -250,6 +250,9 @@ CoordinatorMessage JobRun::AssignmentFor(int global) const {
   }
   as->set_data_bytes(share_bytes_[static_cast<size_t>(rank)]);
   as->set_attempt(job_.attempt());
+  if (job_.spec().data().dataset().uploaded()) {
+    for (const DatasetShard& shard : piece.dataset().shards()) as->add_dataset_file_bytes(shard.bytes());
+  }
   if (from > 0) {
     // A restart from a checkpoint: its stages and the rank's training state.
     as->set_start_step(from);
@@ -275,6 +278,9 @@ std::vector<RankSend> JobRun::Place(const std::vector<PlacedWorker>& workers) {
     send.stages = StagesOfRank(rank);
     send.share_file = stores_.artifacts->SharePath(id(), rank);
     if (from > 0) send.state_file = stores_.artifacts->CheckpointStatePath(id(), from, global);
+    if (job_.spec().data().dataset().uploaded()) {
+      for (const DatasetShard& shard : layout_.ranks(rank).dataset().shards()) send.dataset_files.push_back(shard.path());
+    }
     send.stop = stop_;
     sends.push_back(std::move(send));
   }
@@ -521,6 +527,7 @@ void JobRun::Finish(JobState state, const std::string& reason) {
   // deleted: pippyctl fetch --checkpoint, submit --resume-from.
   const bool keep = job_.spec().mode() == MODE_TRAIN && !job_.spec().has_serving() && job_.checkpoint_step() > 0;
   stores_.artifacts->RemoveJobFiles(id(), keep ? job_.checkpoint_step() : 0);
+  if (job_.spec().data().dataset().uploaded()) stores_.artifacts->RemoveUploadedDataset(job_.spec().data().dataset().path());
   Touch();
 }
 

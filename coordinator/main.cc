@@ -46,7 +46,7 @@ struct Flags {
   double heartbeat_timeout_s = 10;
   int max_message_mib = 16;
   pippy::tls::ServerFiles tls_files;
-  int64_t max_model_mib = 0, max_data_mib = 0;
+  int64_t max_model_mib = 0, max_data_mib = 0, max_dataset_upload_gib = 64;
   int max_streams = 0, max_queued = 0;
   double stream_idle_timeout_s = 60;
   double prepare_timeout_s = 300, probe_timeout_s = 120;
@@ -84,6 +84,10 @@ void AddFlags(CLI::App& app, Flags* f) {
   app.add_option("--max-model-mib", f->max_model_mib, "refuse submitted models larger than this (0: no limit)")
       ->check(cli::NonNegative())->capture_default_str();
   app.add_option("--max-data-mib", f->max_data_mib, "refuse submitted data files larger than this (0: no limit)")
+      ->check(cli::NonNegative())->capture_default_str();
+  app.add_option("--max-dataset-upload-gib", f->max_dataset_upload_gib,
+                 "refuse datasets uploaded with a submission (pippyctl --dataset-upload) larger than this, all "
+                 "shards together (0: no limit)")
       ->check(cli::NonNegative())->capture_default_str();
   app.add_option("--max-concurrent-streams", f->max_streams,
                  "uploads (SubmitJob) and downloads (FetchModel) served at once; more are refused (0: no limit)")
@@ -260,6 +264,7 @@ int Serve(const Flags& f) {
   coordinator::Limits limits;
   limits.max_model_bytes = f.max_model_mib << 20;
   limits.max_data_bytes = f.max_data_mib << 20;
+  limits.max_dataset_bytes = f.max_dataset_upload_gib << 30;
   limits.max_concurrent_streams = f.max_streams;
   limits.stream_idle_timeout = absl::Seconds(f.stream_idle_timeout_s);
   coordinator::CoordinatorGrpc api(logic->get(), auth.get(), limits);

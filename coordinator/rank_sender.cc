@@ -72,6 +72,19 @@ absl::Status SendRank(const RankSend& send, const StageWriter& writer, size_t ch
     if (!state.ok()) return state.status();
     sent += *state;
   }
+  for (size_t i = 0; i < send.dataset_files.size(); ++i) {
+    const std::string& file = send.dataset_files[i];
+    absl::StatusOr<int64_t> shard = Stream(
+        send, chunk_bytes,
+        [i](CoordinatorMessage* m) {
+          m->mutable_dataset()->set_shard(static_cast<int>(i));
+          return m->mutable_dataset();
+        },
+        [&](const Sink& sink) { return ArtifactStore::StreamFile(file, chunk_bytes, sink); },
+        absl::StrCat("rank ", a.rank(), " the dataset's shard ", file));
+    if (!shard.ok()) return shard.status();
+    sent += *shard;
+  }
   log::Info("job={} rank={} sent {} bytes (stages and data share) in {}", a.job_id(), a.rank(), sent,
             absl::FormatDuration(absl::Now() - start));
   return absl::OkStatus();

@@ -1,5 +1,6 @@
 // Streaming a placed rank what it needs and nothing else: its assignment, then its
-// stages' TorchScript, its share of the data and, on a restart, its training state,
+// stages' TorchScript, its share of the data, on a restart its training state, and
+// the shards of an uploaded dataset it reads (--dataset-upload),
 // each in chunks of at most `chunk_bytes` (the last one says so). A stage comes from
 // memory (serialised as it is sent, right after the split) or from its file; no file
 // is ever held whole.
@@ -35,6 +36,7 @@ struct RankSend {
   std::vector<int> stages;                 // in the order the assignment lists them
   std::string share_file;                  // its data share (missing: it reads none)
   std::string state_file;                  // a restart's training state (empty: none)
+  std::vector<std::string> dataset_files;  // an uploaded dataset's shards, for a rank reading it
   std::shared_ptr<std::atomic<bool>> stop;  // set when the attempt ends: sending stops
 };
 

@@ -60,6 +60,10 @@ int main(int argc, char** argv) {
                  "a folder jobs' datasets (pippyctl submit --dataset) may be read from, symbolic links resolved; "
                  "repeat for several (default: none, datasets are refused)")
       ->check(CLI::ExistingDirectory);
+  app.add_option("--scratch-dir", o.scratch_dir,
+                 "where the shards of datasets uploaded with a job (pippyctl submit --dataset-upload) are kept while "
+                 "its rank runs (default: $TMPDIR or /tmp)")
+      ->check(CLI::ExistingDirectory);
   app.add_option("--tls-ca", o.tls_ca, "TLS to the coordinator: the CA that signed its certificate (PEM)")
       ->envname("PIPPY_TLS_CA")->check(CLI::ExistingFile);
   app.add_option("--tls-cert", o.tls_cert, "this worker's client certificate for mTLS (PEM; with --tls-key)")

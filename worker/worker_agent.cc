@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <filesystem>
+
 #include "ATen/Parallel.h"
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
@@ -37,6 +39,7 @@ std::string HostName() {
 
 Agent::Agent(const AgentOptions& options, Device device)
     : options_(options), device_(device), torch_device_(TorchDevice(device)) {
+  receiver_.set_scratch_dir(options_.scratch_dir);
   Session::Options so;
   so.coordinator = options_.coordinator;
   so.tls_ca = options_.tls_ca;
@@ -98,6 +101,8 @@ void Agent::OnMessage(const CoordinatorMessage& m) {
     OnChunk(m.data());
   } else if (m.has_state()) {
     OnChunk(m.state());
+  } else if (m.has_dataset()) {
+    OnChunk(m.dataset());
   } else if (m.has_peers()) {
     control_.SetPeers(m.peers());
   } else if (m.has_serve()) {
@@ -179,7 +184,8 @@ void Agent::RunAssignment(ReceivedAssignment in) {
 
 absl::StatusOr<std::unique_ptr<stage::BatchSource>> Agent::OpenData(const Assignment& a,
                                                                     const std::vector<std::string>& input_names,
-                                                                    const std::string& share) const {
+                                                                    const std::string& share,
+                                                                    const std::vector<std::string>& roots) const {
   const RankLayout& piece = a.layout();
   if (!piece.has_dataset()) {
     PIPPY_ASSIGN_OR_RETURN(stage::DataSource data, stage::DataSource::FromShareBytes(share, input_names));
@@ -188,16 +194,33 @@ absl::StatusOr<std::unique_ptr<stage::BatchSource>> Agent::OpenData(const Assign
   std::vector<int> inputs(piece.model_inputs().begin(), piece.model_inputs().end());
   PIPPY_ASSIGN_OR_RETURN(std::unique_ptr<stage::Dataset> dataset,
                          stage::Dataset::Open(a.spec().data().dataset(), piece.dataset(), input_names, inputs,
-                                              piece.targets(), a.spec().batch_size(), a.spec().seed(),
-                                              options_.dataset_roots));
-  log::Info("job={} rank={}: reading the dataset {} ({} shards, {} samples) itself", a.job_id(), a.rank(),
-            a.spec().data().dataset().path(), piece.dataset().shards_size(), piece.dataset().samples());
+                                              piece.targets(), a.spec().batch_size(), a.spec().seed(), roots));
+  const DatasetSpec& ds = a.spec().data().dataset();
+  log::Info("job={} rank={}: reading the dataset {} ({} shards, {} samples) itself{}", a.job_id(), a.rank(),
+            ds.uploaded() ? ds.uploaded_from() : ds.path(), piece.dataset().shards_size(), piece.dataset().samples(),
+            ds.uploaded() ? absl::StrCat(", from its uploaded copy in ", roots.front()) : "");
   return std::unique_ptr<stage::BatchSource>(std::move(dataset));
 }
 
 std::string Agent::ReplicaHost() const { return options_.replica_host.empty() ? HostName() : options_.replica_host; }
 
 absl::Status Agent::RunRank(ReceivedAssignment in) {
+  // An uploaded dataset: this rank reads its copy of the shards, removed when it ends.
+  std::vector<std::string> roots = options_.dataset_roots;
+  absl::Cleanup remove_dataset = [dir = in.dataset_dir] {
+    if (dir.empty()) return;
+    std::error_code ec;
+    std::filesystem::remove_all(dir, ec);
+  };
+  if (!in.dataset_dir.empty()) {
+    auto* shards = in.assignment.mutable_layout()->mutable_dataset()->mutable_shards();
+    if (shards->size() != static_cast<int>(in.dataset_files.size())) {
+      return absl::InternalError(absl::StrCat("the coordinator sent ", in.dataset_files.size(), " shards of ",
+                                              shards->size()));
+    }
+    for (int i = 0; i < shards->size(); ++i) (*shards)[i].set_path(in.dataset_files[static_cast<size_t>(i)]);
+    roots = {in.dataset_dir};
+  }
   const Assignment& a = in.assignment;
   const JobSpec& spec = a.spec();
   const int world = a.layout().num_ranks();
@@ -217,7 +240,7 @@ absl::Status Agent::RunRank(ReceivedAssignment in) {
   PIPPY_ASSIGN_OR_RETURN(LoadedStages stages, LoadStages(std::move(in.stages)));
   std::vector<std::string> input_names;
   for (const ModelValue& v : a.plan().inputs()) input_names.push_back(v.name());
-  PIPPY_ASSIGN_OR_RETURN(std::unique_ptr<stage::BatchSource> data, OpenData(a, input_names, in.data));
+  PIPPY_ASSIGN_OR_RETURN(std::unique_ptr<stage::BatchSource> data, OpenData(a, input_names, in.data, roots));
   std::string().swap(in.data);
   std::unique_ptr<stage::BatchSource> eval_data;  // the validation dataset (spec.eval), on the ranks reading it
   if (a.layout().has_eval_dataset()) {

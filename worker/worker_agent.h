@@ -60,6 +60,10 @@ struct AgentOptions {
   // Folders a job's dataset may be read from (--dataset-root; stage/dataset.h). None:
   // jobs with a dataset fail on this worker, naming the flag.
   std::vector<std::string> dataset_roots;
+  // Where the shards of datasets uploaded with a submission (--dataset-upload) are
+  // written for the ranks that read them, a folder per rank, removed when it ends.
+  // Empty: the system's temporary folder ($TMPDIR).
+  std::string scratch_dir;
 };
 
 // Connects and serves. When the coordinator goes away (it stopped, restarted, or the
@@ -96,10 +100,12 @@ class Agent : public Session::Handler {
   absl::Status RunRank(ReceivedAssignment in);
   std::string ReplicaHost() const;
   // The rank's batches: its share of the job's data file (`share`), or, for a dataset
-  // job, the dataset read here (stage/dataset.h; under --dataset-root).
+  // job, the dataset read here (stage/dataset.h) under `roots` (--dataset-root, or an
+  // uploaded dataset's folder on this worker).
   absl::StatusOr<std::unique_ptr<stage::BatchSource>> OpenData(const Assignment& a,
                                                                const std::vector<std::string>& input_names,
-                                                               const std::string& share) const;
+                                                               const std::string& share,
+                                                               const std::vector<std::string>& roots) const;
 
   const AgentOptions options_;
   const Device device_;             // resolved and checked (ProcessDevice)

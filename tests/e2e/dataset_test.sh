@@ -12,6 +12,7 @@
 #     ends bitwise equal to the uninterrupted job;
 #   - tensor shards (torch.save files) for the zoo's MLP;
 #   - --resume-from and fetch --checkpoint; evaluation on a validation set;
+#   - --dataset-upload of a dataset outside every --dataset-root;
 #   - refusals naming the file: outside --dataset-root, a shard of odd length, an
 #     empty folder, shards whose columns differ, and a token id outside the embedding
 #     (found when a rank reads it: the job fails naming shard and offset).
@@ -83,6 +84,10 @@ for i, n in enumerate([24, 16, 24]):
                f"{data}/mlp/shard_{i}.pt")
 torch.save({"inputs": torch.randn(8, 32), "targets": torch.randn(8, 32)}, f"{data}/mixed/a.pt")
 torch.save({"inputs": torch.randn(8, 32, dtype=torch.float64), "targets": torch.randn(8, 32)}, f"{data}/mixed/b.pt")
+# A dataset only pippyctl's side can read (outside every --dataset-root): uploaded.
+os.makedirs(f"{data}/../private")
+for i, n in enumerate([700, 581]):
+    rng.integers(0, 64, n, dtype=np.uint16).tofile(f"{data}/../private/shard {i}.bin")
 os.makedirs(f"{sys.argv[1]}/../outside")
 rng.integers(0, 64, 1000, dtype=np.uint16).tofile(f"{data}/../outside/a.bin")
 PY
@@ -301,6 +306,31 @@ else
 fi
 resume_refused "--eval-batches beyond the validation set" "--eval-batches: 9 batches of 8 samples, but the validation dataset" \
   --optimizer adamw --stages 2 --steps 3 --eval-dataset "$DATA/val" --eval-batches 9
+
+# 5c. --dataset-upload: a dataset no daemon may read from its path (outside every
+#     --dataset-root) goes with the submission; the coordinator keeps it for the job and
+#     streams each reading rank its copy, which is gone from the worker when the job ends.
+UP=(--dataset "$TMP/private" --dataset-upload --seq-len 16 --microbatches 2 --batch-size 8 --steps 10 --loss model
+    --optimizer sgd --momentum 0.9 --lr 0.05 --shuffle on --seed 9 --stages 2 --schedule 1f1b)
+if job=$(submit_wait upload "$ZOO/gpt.pt" "${UP[@]}") &&
+   /usr/bin/python3 "$CHECK" "$ZOO/gpt.pt" - "$TMP/upload.pt" --dataset "$TMP/private" --seq-len 16 --steps 10 \
+     --batch-size 8 --microbatches 2 --loss model --optimizer sgd --momentum 0.9 --lr 0.05 --shuffle on --seed 9 \
+     --tolerance 1e-5 > "$TMP/upload.check" 2>&1; then
+  ok "--dataset-upload (2 shards, 1281 tokens, outside every --dataset-root): $(tail -1 "$TMP/upload.check")"
+  if grep -q "from its uploaded copy in" "$TMP"/w*.log; then ok "the ranks read their uploaded copies"; else bad "no rank read an uploaded copy"; fi
+  copies=$(grep -ho "from its uploaded copy in [^ ]*" "$TMP"/w*.log | awk '{print $NF}' | sort -u)
+  left=0
+  for d in $copies "$TMP"/state/datasets/*; do [ -e "$d" ] && left=$((left + 1)); done
+  if [ -n "$copies" ] && [ "$left" = 0 ]; then
+    ok "the uploaded dataset is gone from the coordinator and from the workers' copies ($(echo $copies | wc -w)) once the job ended"
+  else
+    bad "the uploaded dataset stayed: $copies $(ls -d "$TMP"/state/datasets/* 2>/dev/null)"
+  fi
+  ctl status "$job" | grep -q "dataset $TMP/private (uploaded)" && ok "status: $(ctl status "$job" | grep -o 'dataset .*(uploaded)')" ||
+    bad "status does not say the dataset was uploaded: $(ctl status "$job")"
+else
+  bad "--dataset-upload: $(tail -3 "$TMP/upload.out") $(cat "$TMP/upload.check" 2>/dev/null)"
+fi
 
 # 6. Refusals, each naming the file.
 expect_refused() {  # NAME EXPECTED-TEXT ARGS...
