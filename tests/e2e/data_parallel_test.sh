@@ -101,7 +101,9 @@ if [[ "$state" == "SUCCEEDED 1" ]] && /usr/bin/python3 "$CHECK" "$ZOO/gpt.pt" "$
      --steps 400 --batch-size 16 --microbatches 8 --loss model --optimizer sgd --momentum 0.9 --lr 0.05 --tolerance 1e-5; then
   ok "resumed on a new worker: $state, equals the reference"
 else
-  bad "resume: $state $(json_get "$job" "j.get('reason'), j.get('history')")"
+  spare="w$((nworkers - 1))"
+  alive=$(kill -0 "${worker_pid[$spare]}" 2>/dev/null && echo running || echo "not running")
+  bad "resume: $state $(json_get "$job" "j.get('reason'), j.get('history')"); the new worker $spare is $alive, its log: $(tail -5 "$TMP/$spare.log" | tr '\n' ' ')"
 fi
 
 finish
