@@ -248,7 +248,12 @@ void ArtifactStore::RemoveAllOf(const std::string& job_id) {
   RemoveJobFiles(job_id);
   std::error_code ec;
   fs::remove(FetchPath(job_id), ec);
+  RemoveMergedCheckpoints(job_id);
+}
+
+void ArtifactStore::RemoveMergedCheckpoints(const std::string& job_id) {
   const std::string merged = job_id + ".checkpoint-";
+  std::error_code ec;
   for (fs::directory_iterator d(state_dir_ + "/models", ec), end; !ec && d != end; d.increment(ec)) {
     if (d->path().filename().string().rfind(merged, 0) == 0) {
       std::error_code rm;
@@ -368,15 +373,8 @@ void ArtifactStore::RemoveMergeDir(const std::string& merge_dir) {
 
 absl::Status ArtifactStore::PublishCheckpoint(const std::string& job_id, int step, const std::string& path,
                                               const std::string& merge_dir) {
+  RemoveMergedCheckpoints(job_id);
   std::error_code ec;
-  const std::string merged = job_id + ".checkpoint-";
-  for (fs::directory_iterator d(state_dir_ + "/models", ec), end; !ec && d != end; d.increment(ec)) {
-    if (d->path().filename().string().rfind(merged, 0) == 0) {
-      std::error_code rm;
-      fs::remove(d->path(), rm);
-    }
-  }
-  ec.clear();
   fs::rename(path, CheckpointFetchPath(job_id, step), ec);
   std::error_code rm;
   fs::remove_all(merge_dir, rm);

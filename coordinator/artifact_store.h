@@ -186,6 +186,8 @@ class ArtifactStore {
 
  private:
   explicit ArtifactStore(std::string state_dir) : state_dir_(std::move(state_dir)) {}
+  // Removes the job's merged checkpoints (models/<job>.checkpoint-<k>.pt).
+  void RemoveMergedCheckpoints(const std::string& job_id);
 
   const std::string state_dir_;
   absl::Mutex mu_;

@@ -7,6 +7,7 @@
 #include "pipeline/job/rank_job.h"
 #include "pipeline/stage/data_source.h"
 
+#include <optional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -98,28 +99,51 @@ torch::jit::Module Reload(const torch::jit::Module& m) {
   return *loaded;
 }
 
+// The zoo's MLP split into 2 stages, with its example batch as the data, for a job of
+// `optimizer` (SpecFor).
+struct MlpJob {
+  torch::jit::Module model;
+  std::vector<c10::IValue> inputs;
+  c10::IValue target;
+  JobSpec spec;
+  std::optional<partition::Pipe> pipe;
+  std::optional<stage::DataSource> data;
+};
+
+void LoadMlpJob(OptimizerKind optimizer, MlpJob* j) {
+  auto model = torchio::LoadModel(Zoo("mlp.pt"));
+  ASSERT_TRUE(model.ok());
+  auto inputs = torchio::LoadExampleInputs(Zoo("mlp.input.pt"), *model);
+  auto target = torchio::LoadTorchSaved(Zoo("mlp.target.pt"));
+  ASSERT_TRUE(inputs.ok() && target.ok());
+  j->model = *model;
+  j->inputs = *inputs;
+  j->target = *target;
+  j->spec = SpecFor(optimizer, static_cast<int>(j->inputs[0].toTensor().size(0)));
+  ASSERT_TRUE(CheckSpec(&j->spec).ok());
+  partition::SplitOptions so;
+  so.num_stages = 2;
+  auto pipe = partition::SplitModel(j->model, so);
+  ASSERT_TRUE(pipe.ok()) << pipe.status();
+  j->pipe = std::move(*pipe);
+  std::vector<std::string> names;
+  for (const ModelValue& v : j->pipe->plan.inputs()) names.push_back(v.name());
+  auto data = stage::DataSource::FromValues(j->inputs, j->target, names);
+  ASSERT_TRUE(data.ok());
+  j->data = std::move(*data);
+}
+
 class RankJobStateTest : public ::testing::TestWithParam<OptimizerKind> {
  protected:
   static void SetUpTestSuite() { torch::jit::setGraphExecutorOptimize(false); }
 };
 
 TEST_P(RankJobStateTest, ResumedFromSavedState_BitwiseEqualsUninterrupted) {
-  auto model = torchio::LoadModel(Zoo("mlp.pt"));
-  ASSERT_TRUE(model.ok());
-  auto inputs = torchio::LoadExampleInputs(Zoo("mlp.input.pt"), *model);
-  auto target = torchio::LoadTorchSaved(Zoo("mlp.target.pt"));
-  ASSERT_TRUE(inputs.ok() && target.ok());
-  const int batch = static_cast<int>((*inputs)[0].toTensor().size(0));
-  JobSpec spec = SpecFor(GetParam(), batch);
-  ASSERT_TRUE(CheckSpec(&spec).ok());
-  partition::SplitOptions so;
-  so.num_stages = 2;
-  auto pipe = partition::SplitModel(*model, so);
-  ASSERT_TRUE(pipe.ok()) << pipe.status();
-  std::vector<std::string> names;
-  for (const ModelValue& v : pipe->plan.inputs()) names.push_back(v.name());
-  auto data = stage::DataSource::FromValues(*inputs, *target, names);
-  ASSERT_TRUE(data.ok());
+  MlpJob job;
+  ASSERT_NO_FATAL_FAILURE(LoadMlpJob(GetParam(), &job));
+  const JobSpec& spec = job.spec;
+  auto& pipe = job.pipe;
+  auto& data = job.data;
 
   // Uninterrupted: kSteps steps on copies of the stages.
   Ranks whole;
@@ -184,22 +208,12 @@ INSTANTIATE_TEST_SUITE_P(Optimizers, RankJobStateTest, ::testing::Values(OPTIMIZ
 // eval mode computes it; the parameters and gradients stay as they were.
 TEST(RankJobEvalTest, EvalStepEqualsTheUnsplitModelsLossAndChangesNothing) {
   torch::jit::setGraphExecutorOptimize(false);
-  auto model = torchio::LoadModel(Zoo("mlp.pt"));
-  ASSERT_TRUE(model.ok());
-  auto inputs = torchio::LoadExampleInputs(Zoo("mlp.input.pt"), *model);
-  auto target = torchio::LoadTorchSaved(Zoo("mlp.target.pt"));
-  ASSERT_TRUE(inputs.ok() && target.ok());
-  const int batch = static_cast<int>((*inputs)[0].toTensor().size(0));
-  JobSpec spec = SpecFor(OPTIMIZER_SGD, batch);
-  ASSERT_TRUE(CheckSpec(&spec).ok());
-  partition::SplitOptions so;
-  so.num_stages = 2;
-  auto pipe = partition::SplitModel(*model, so);
-  ASSERT_TRUE(pipe.ok()) << pipe.status();
-  std::vector<std::string> names;
-  for (const ModelValue& v : pipe->plan.inputs()) names.push_back(v.name());
-  auto data = stage::DataSource::FromValues(*inputs, *target, names);
-  ASSERT_TRUE(data.ok());
+  MlpJob job;
+  ASSERT_NO_FATAL_FAILURE(LoadMlpJob(OPTIMIZER_SGD, &job));
+  torch::jit::Module* model = &job.model;
+  const JobSpec& spec = job.spec;
+  auto& pipe = job.pipe;
+  auto& data = job.data;
   Ranks ranks;
   MakeRanks(spec, pipe->plan, {Reload(pipe->stages[0]), Reload(pipe->stages[1])}, &ranks);
   std::vector<at::Tensor> before;
@@ -223,7 +237,7 @@ TEST(RankJobEvalTest, EvalStepEqualsTheUnsplitModelsLossAndChangesNothing) {
   // The reference: the unsplit model, eval mode, no gradients, 4 micro-batches.
   torch::NoGradGuard no_grad;
   model->eval();
-  const at::Tensor x = (*inputs)[0].toTensor(), y = target->toTensor();
+  const at::Tensor x = job.inputs[0].toTensor(), y = job.target.toTensor();
   double want = 0;
   for (int k = 0; k < 4; ++k) {
     const at::Tensor out = model->forward({x.chunk(4, 0)[k]}).toTensor();
