@@ -1,10 +1,11 @@
 #!/bin/bash
 # What reading a dataset costs (docs/data.md), each figure beside a reference measured
 # in the same run:
-#   1. tokens/s one rank reads from a token dataset (stage::Dataset: pread per window,
-#      ids checked, int64 inputs and targets; bench/data_read_bench.cc), in order and
-#      shuffled, vs `cat` of the same files to /dev/null (page cache warm for both:
-#      the files are read once first);
+#   1. tokens/s one rank reads from a token dataset (stage::Dataset: pread per run of
+#      windows, ids checked, int64 inputs and/or targets, the next steps' rows asked
+#      of the kernel ahead; bench/data_read_bench.cc), in order and shuffled, vs `cat`
+#      of the same files to /dev/null, from disk (pages dropped before each reader)
+#      and from the page cache (the files read once first);
 #   2. the step time of a small LM (the zoo's GPT, 2 stages, 1F1B, 2 local workers)
 #      training on the dataset vs on --synthetic data of the same shapes (median of
 #      the steps after the first 5);
@@ -90,12 +91,28 @@ print(json.dumps({"tokens": tokens, "seconds": s, "tokens_per_second": tokens / 
 PY
 }
 bytes=$(du -cb "$TMP"/small/*.bin | tail -1 | cut -f1)
-evict "$TMP/small"; cat_cold=$(time_cat "$TMP/small")
-evict "$TMP/small"; inorder_cold=$("$BIN/bench/data_read_bench" "$TMP/small" 1024 64 off 120)
+R="$BIN/bench/data_read_bench"
+# Each reader three times, cat between them (figures on this VM swing from run to run):
+# the medians are printed. COLD=1: each one's pages dropped first.
+declare -A runs
+measure() {  # COLD
+  for _ in 1 2 3; do
+    for name in cat inputs both shuffled shuffled_both; do
+      [ "$1" = 1 ] && evict "$TMP/small"
+      case $name in
+        cat) r=$(time_cat "$TMP/small") ;;
+        inputs) r=$("$R" "$TMP/small" 1024 64 off 120 inputs) ;;
+        both) r=$("$R" "$TMP/small" 1024 64 off 120 both) ;;
+        shuffled) r=$("$R" "$TMP/small" 1024 64 on 60 inputs) ;;
+        shuffled_both) r=$("$R" "$TMP/small" 1024 64 on 60 both) ;;
+      esac
+      runs[$1,$name]+="$r;"
+    done
+  done
+}
+measure 1
 cat "$TMP"/small/*.bin > /dev/null
-cat_warm=$(time_cat "$TMP/small")
-inorder=$("$BIN/bench/data_read_bench" "$TMP/small" 1024 64 off 60)
-shuffled=$("$BIN/bench/data_read_bench" "$TMP/small" 1024 64 on 60)
+measure 0
 numpy_inorder=$(numpy_reader "$TMP/small" 1024 64 off)
 numpy_shuffled=$(numpy_reader "$TMP/small" 1024 64 on)
 
@@ -143,27 +160,44 @@ start_workers large
 run_job large --dataset "$TMP/large" --seq-len 16 --shuffle on
 peak_large=$(peaks)
 
-/usr/bin/python3 - "$TMP" "$bytes" "$cat_cold" "$cat_warm" "$inorder_cold" "$inorder" "$shuffled" "$numpy_inorder" \
-  "$numpy_shuffled" "$peak_synthetic" "$peak_small" "$peak_large" "$GB_SMALL" "$GB_LARGE" <<'PY'
+/usr/bin/python3 - "$TMP" "$bytes" "${runs[1,cat]}" "${runs[0,cat]}" "${runs[1,inputs]}" "${runs[1,both]}" \
+  "${runs[1,shuffled]}" "${runs[0,inputs]}" "${runs[0,both]}" "${runs[0,shuffled]}" "${runs[0,shuffled_both]}" \
+  "$numpy_inorder" "$numpy_shuffled" "$peak_synthetic" "$peak_small" "$peak_large" "$GB_SMALL" "$GB_LARGE" <<'PY'
 import json, statistics, sys
-tmp, nbytes, cat_cold, cat_warm = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
-cold, warm, shuffled, np_warm, np_shuffled = (json.loads(a) for a in sys.argv[5:10])
-peaks = [[int(x) for x in a.split(",")] for a in sys.argv[10:13]]
-gb_small, gb_large = sys.argv[13], sys.argv[14]
-print(f"1. one rank reading {nbytes / 2**30:.2f} GiB of uint16 tokens into int64 inputs and targets, seq_len 1024, "
-      "batch 64 (one core)")
-print(f"   {'reader':<44} {'tokens/s':>10} {'file MiB/s':>11} {'vs cat':>7}")
-for label, cat_s, rows in (("from disk (page cache dropped)", cat_cold, [("pippy Dataset, in order", cold)]),
-                           ("from the page cache", cat_warm,
-                            [("pippy Dataset, in order", warm), ("pippy Dataset, shuffled", shuffled),
-                             ("nanoGPT get_batch (np.memmap), in order", np_warm),
-                             ("nanoGPT get_batch (np.memmap), shuffled", np_shuffled)])):
-    cat_tokens = nbytes / 2 / cat_s
+tmp, nbytes = sys.argv[1], int(sys.argv[2])
+tokens = nbytes / 2
+def cat_rate(arg):  # tokens/s of each cat, from its seconds
+    return [tokens / float(x) for x in arg.strip(";").split(";")]
+def rates(arg):
+    return [json.loads(x)["tokens_per_second"] for x in arg.strip(";").split(";")]
+cat_cold, cat_warm = cat_rate(sys.argv[3]), cat_rate(sys.argv[4])
+inputs_cold, both_cold, shuffled_cold, inputs, both, shuffled, shuffled_both = (rates(a) for a in sys.argv[5:12])
+np_warm, np_shuffled = ([json.loads(a)["tokens_per_second"]] for a in sys.argv[12:14])
+peaks = [[int(x) for x in a.split(",")] for a in sys.argv[14:17]]
+gb_small, gb_large = sys.argv[17], sys.argv[18]
+print(f"1. one rank reading {nbytes / 2**30:.2f} GiB of uint16 tokens into int64 tensors, seq_len 1024, batch 64 "
+      "(one core; 'inputs': the first stage's rank, 'both': a rank with the first and the last stage); "
+      "medians of 3 [range]")
+print(f"   {'reader':<48} {'tokens/s':>10} {'file MiB/s':>11} {'vs cat':>7}  {'range':>11}")
+for label, cat, rows in (("from disk (page cache dropped before each)", cat_cold,
+                          [("pippy Dataset, in order, inputs", inputs_cold),
+                           ("pippy Dataset, in order, inputs + targets", both_cold),
+                           ("pippy Dataset, shuffled, inputs", shuffled_cold)]),
+                         ("from the page cache", cat_warm,
+                          [("pippy Dataset, in order, inputs", inputs),
+                           ("pippy Dataset, in order, inputs + targets", both),
+                           ("pippy Dataset, shuffled, inputs", shuffled),
+                           ("pippy Dataset, shuffled, inputs + targets", shuffled_both),
+                           ("nanoGPT get_batch (np.memmap), in order, both", np_warm),
+                           ("nanoGPT get_batch (np.memmap), shuffled, both", np_shuffled)])):
+    c = statistics.median(cat)
     print(f"   {label}:")
-    print(f"   {'  cat > /dev/null':<44} {cat_tokens:10.3g} {nbytes / cat_s / 2**20:11.0f} {1.0:7.2f}")
+    print(f"   {'  cat > /dev/null':<48} {c:10.3g} {c * 2 / 2**20:11.0f} {1.0:7.2f}  "
+          f"[{min(cat) / c:.2f}-{max(cat) / c:.2f}]")
     for name, r in rows:
-        print(f"   {'  ' + name:<44} {r['tokens_per_second']:10.3g} {r['tokens_per_second'] * 2 / 2**20:11.0f} "
-              f"{r['tokens_per_second'] / cat_tokens:7.2f}")
+        m = statistics.median(r)
+        print(f"   {'  ' + name:<48} {m:10.3g} {m * 2 / 2**20:11.0f} {m / c:7.2f}  "
+              f"[{min(r) / c:.2f}-{max(r) / c:.2f}]")
 def med(name):
     j = json.load(open(f"{tmp}/{name}.json"))
     s = j["step_seconds"][5:]

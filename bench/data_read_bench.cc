@@ -3,8 +3,10 @@
 // targets), over one epoch in order or shuffled. bench/data_bench.sh runs it beside
 // `cat` of the same files to /dev/null.
 //
-//   data_read_bench DIR SEQ_LEN BATCH [on|off] [MAX_SECONDS]
+//   data_read_bench DIR SEQ_LEN BATCH [on|off] [MAX_SECONDS] [both|inputs|targets]
 // prints one line of JSON: samples, tokens, bytes, seconds, tokens_per_second.
+// `inputs` reads as the first stage's rank does, `targets` as the last stage's, `both`
+// as a rank holding both (one stage, or a V-shaped schedule's rank 0).
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -14,7 +16,7 @@
 
 int main(int argc, char** argv) {
   if (argc < 4) {
-    std::fprintf(stderr, "usage: %s DIR SEQ_LEN BATCH [on|off] [MAX_SECONDS]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s DIR SEQ_LEN BATCH [on|off] [MAX_SECONDS] [both|inputs|targets]\n", argv[0]);
     return 2;
   }
   pippy::DatasetSpec spec;
@@ -24,6 +26,12 @@ int main(int argc, char** argv) {
   spec.set_shuffle(argc > 4 && std::string(argv[4]) == "on");
   const int64_t batch = std::atoll(argv[3]);
   const double max_seconds = argc > 5 ? std::atof(argv[5]) : 1e9;
+  const std::string which = argc > 6 ? argv[6] : "both";
+  if (which != "both" && which != "inputs" && which != "targets") {
+    std::fprintf(stderr, "which rank: both, inputs or targets, not '%s'\n", which.c_str());
+    return 2;
+  }
+  const std::vector<int> input_indices = which == "targets" ? std::vector<int>{} : std::vector<int>{0};
   const std::vector<std::string> roots = {"/"};
   auto layout = pippy::stage::IndexDataset(spec, {"idx"}, batch, roots);
   if (!layout.ok()) {
@@ -31,7 +39,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   layout->set_token_limit(1 << 16);  // every id is checked, as against an embedding
-  auto data = pippy::stage::Dataset::Open(spec, *layout, {"idx"}, {0}, /*with_targets=*/true, batch, 0, roots);
+  auto data = pippy::stage::Dataset::Open(spec, *layout, {"idx"}, input_indices,
+                                           /*with_targets=*/which != "inputs", batch, 0, roots);
   if (!data.ok()) {
     std::fprintf(stderr, "%s\n", std::string(data.status().message()).c_str());
     return 1;

@@ -275,6 +275,20 @@ void ArtifactStore::RemoveUploadedDataset(const std::string& dir) {
   if (ec) log::Warn("could not remove the uploaded dataset '{}': {}", dir, ec.message());
 }
 
+int ArtifactStore::RemoveUploadedDatasetsExcept(const std::set<std::string>& keep) {
+  std::vector<std::string> gone;
+  std::error_code ec;
+  for (fs::directory_iterator d(DatasetsDir(), ec), end; !ec && d != end; d.increment(ec)) {
+    const std::string dir = d->path().lexically_normal().string();
+    if (keep.count(dir) == 0) gone.push_back(dir);
+  }
+  for (const std::string& dir : gone) {
+    log::Info("removing the uploaded dataset '{}': no job names it", dir);
+    RemoveUploadedDataset(dir);
+  }
+  return static_cast<int>(gone.size());
+}
+
 void ArtifactStore::RemoveJobFiles(const std::string& job_id, int keep_checkpoint) {
   {
     absl::MutexLock lock(&mu_);

@@ -5,7 +5,7 @@
 //                           unless the job is accepted, then renamed to jobs/<job>/
 //   datasets/<n>/           a dataset uploaded with submission n (--dataset-upload): its
 //                           shards; it stays where it is (the job's spec names it) until
-//                           the job ends
+//                           the job ends; at start-up those no job names are removed
 //   jobs/<job>/model.pt     the submitted model (read again to assemble the result)
 //   jobs/<job>/stage_<s>.pt each stage's TorchScript, as shipped to its worker
 //   jobs/<job>/share_<r>.pt rank r's share of the data (see DataSource::ShareBytes)
@@ -174,6 +174,10 @@ class ArtifactStore {
   void RemoveAllOf(const std::string& job_id);
   // Removes an uploaded dataset's folder (`dir` must be one of datasets/; else nothing).
   void RemoveUploadedDataset(const std::string& dir);
+  // Removes every folder of datasets/ that is not in `keep` (absolute paths): at
+  // start-up, those of submissions cut off by a restart and of jobs that ended as the
+  // coordinator stopped. Returns how many it removed.
+  int RemoveUploadedDatasetsExcept(const std::set<std::string>& keep);
   std::string DatasetsDir() const;  // absolute
 
   // Reads `path` in pieces of at most `chunk_bytes` and hands each to `sink`; the

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -59,6 +61,16 @@ void Coordinator::RestoreJobs() {
     }
     AddJob(std::move(run));
   }
+  // Uploaded datasets of submissions cut off by the restart, or of jobs that ended as
+  // the coordinator stopped, are named by no job that will run again.
+  std::set<std::string> in_use;
+  for (const auto& [id, run] : jobs_) {
+    const Job& j = run->job();
+    if (!IsTerminal(j.state()) && j.spec().data().dataset().uploaded()) {
+      in_use.insert(std::filesystem::path(j.spec().data().dataset().path()).lexically_normal().string());
+    }
+  }
+  artifacts_->RemoveUploadedDatasetsExcept(in_use);
 }
 
 Coordinator::~Coordinator() {

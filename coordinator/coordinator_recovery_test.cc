@@ -1,6 +1,7 @@
 // The coordinator's fault tolerance with fake worker channels: a lost worker fails or
 // restarts its job from the last checkpoint, and a restarted coordinator resumes the
 // jobs it had from its state directory.
+#include "coordinator/artifact_store.h"
 #include "coordinator/coordinator_test_fixture.h"
 
 namespace pippy::coordinator {
@@ -212,6 +213,45 @@ TEST_F(CoordinatorTest, Restart_KeepsQueuedJobsQueued) {
               Slurp(absl::StrCat(state_, "/jobs/", *id, "/stage_", r.assignment.rank(), ".pt")));
   }
   EXPECT_EQ(coordinator_->GetJob(*id)->state(), PLACING);
+}
+
+// Uploaded datasets no job names (a submission cut off by the restart) are removed at
+// start-up.
+TEST_F(CoordinatorTest, Restart_RemovesUploadedDatasetsNoJobNames) {
+  Start("restart_datasets");
+  auto id = Submit(MlpSpec(2), Slurp(kZoo + "mlp.pt"), Slurp(kZoo + "mlp.data.pt"));
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_EQ(WaitForState(*id, QUEUED).state(), QUEUED);
+  coordinator_.reset();
+  const std::filesystem::path datasets = std::filesystem::absolute(state_ + "/datasets");
+  for (const char* dir : {"4242-1", "4242-2"}) {
+    std::filesystem::create_directories(datasets / dir);
+    std::ofstream(datasets / dir / "00000000_part.bin") << "abcd";
+  }
+  Start("restart_datasets", 1 << 20, /*keep_state=*/true);
+  EXPECT_EQ(coordinator_->GetJob(*id)->state(), QUEUED);
+  EXPECT_FALSE(std::filesystem::exists(datasets / "4242-1"));
+  EXPECT_FALSE(std::filesystem::exists(datasets / "4242-2"));
+}
+
+// The sweep keeps the folders it is told are in use (a job's spec names them), and
+// touches nothing outside datasets/.
+TEST(ArtifactStoreTest, RemoveUploadedDatasetsExcept_KeepsTheNamedOnes) {
+  const std::string state = TmpDir("artifact_datasets");
+  auto store = ArtifactStore::Open(state);
+  ASSERT_TRUE(store.ok()) << store.status();
+  const std::filesystem::path datasets = (*store)->DatasetsDir();
+  for (const char* dir : {"1-1", "1-2", "1-3"}) {
+    std::filesystem::create_directories(datasets / dir);
+    std::ofstream(datasets / dir / "00000000_part.bin") << "abcd";
+  }
+  std::ofstream(std::filesystem::path(state) / "keep.txt") << "x";
+  EXPECT_EQ((*store)->RemoveUploadedDatasetsExcept({(datasets / "1-2").string()}), 2);
+  EXPECT_FALSE(std::filesystem::exists(datasets / "1-1"));
+  EXPECT_TRUE(std::filesystem::exists(datasets / "1-2" / "00000000_part.bin"));
+  EXPECT_FALSE(std::filesystem::exists(datasets / "1-3"));
+  EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(state) / "keep.txt"));
+  EXPECT_EQ((*store)->RemoveUploadedDatasetsExcept({(datasets / "1-2").string()}), 0);
 }
 
 }  // namespace

@@ -2,14 +2,19 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
+#include <mutex>
+#include <new>
 
 #include "ATen/ATen.h"
 #include "absl/strings/match.h"
@@ -126,9 +131,26 @@ class ShardFiles {
   }
 
   // `n` bytes at `offset` of shard `s` into `to`. Errors: DATA_LOSS naming the shard.
+  // Tries the page cache first (preadv2 RWF_NOWAIT) and counts in misses() the reads
+  // that had to wait for the disk.
   absl::Status Read(int s, int64_t offset, int64_t n, void* to) {
     PIPPY_ASSIGN_OR_RETURN(int fd, Fd(s));
     auto* p = static_cast<char*>(to);
+    if (nowait_ && n > 0) {
+      struct iovec v = {p, static_cast<size_t>(n)};
+      const ssize_t got = preadv2(fd, &v, 1, offset, RWF_NOWAIT);
+      if (got > 0) {
+        p += got;
+        offset += got;
+        n -= got;
+        bytes_read_ += got;
+      } else if (got < 0 && errno == EOPNOTSUPP) {
+        nowait_ = false;  // this file system has no RWF_NOWAIT reads: every read counts as a miss
+      }
+      if (n > 0) ++misses_;
+    } else if (n > 0) {
+      ++misses_;
+    }
     while (n > 0) {
       const ssize_t got = pread(fd, p, static_cast<size_t>(n), offset);
       if (got < 0 && errno == EINTR) continue;
@@ -145,7 +167,17 @@ class ShardFiles {
     return absl::OkStatus();
   }
 
+  // Reads that were not all in the page cache.
+  int64_t misses() const { return misses_; }
   int64_t bytes_read() const { return bytes_read_; }
+
+  // Asks the kernel to start reading `n` bytes at `offset` of shard `s` into the page
+  // cache now (posix_fadvise WILLNEED: it returns without waiting). Only a hint: a
+  // shard that cannot be opened is left to Read to report.
+  void Prefetch(int s, int64_t offset, int64_t n) {
+    absl::StatusOr<int> fd = Fd(s);
+    if (fd.ok()) posix_fadvise(*fd, offset, n, POSIX_FADV_WILLNEED);
+  }
 
  private:
   absl::StatusOr<int> Fd(int s) {
@@ -166,6 +198,8 @@ class ShardFiles {
   const DatasetLayout& layout_;
   std::map<int, int> open_;  // shard -> fd
   int64_t bytes_read_ = 0;
+  int64_t misses_ = 0;
+  bool nowait_ = true;
 };
 
 // The shard holding item `item` (a token or a row) of the stream, and its place there.
@@ -184,6 +218,58 @@ std::vector<int64_t> Starts(const DatasetLayout& layout) {
   }
   return starts;
 }
+
+// int64 buffers for a token reader's batches, recycled: a batch's tensors keep their
+// buffer until the pipeline drops the last view of them (any thread), and the next
+// batch reuses it. Fresh buffers of a batch's size come from mmap and are paid for
+// again in page faults at every step (on VMs, more than the reading itself).
+// At most kKeep buffers wait here; a batch of another size frees them.
+class BufferPool : public std::enable_shared_from_this<BufferPool> {
+ public:
+  static constexpr size_t kKeep = 8;
+
+  at::Tensor Empty(int64_t rows, int64_t cols) {
+    const size_t bytes = static_cast<size_t>(rows * cols) * sizeof(int64_t);
+    void* p = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (bytes != bytes_) {
+        for (void* f : free_) std::free(f);
+        free_.clear();
+        bytes_ = bytes;
+      }
+      if (!free_.empty()) {
+        p = free_.back();
+        free_.pop_back();
+      }
+    }
+    if (p == nullptr) p = std::aligned_alloc(64, (std::max<size_t>(bytes, 64) + 63) / 64 * 64);
+    if (p == nullptr) throw std::bad_alloc();
+    std::shared_ptr<BufferPool> self = shared_from_this();
+    return at::from_blob(p, {rows, cols}, [self, bytes](void* q) { self->Return(q, bytes); },
+                         at::TensorOptions().dtype(at::kLong));
+  }
+
+  ~BufferPool() {
+    for (void* f : free_) std::free(f);
+  }
+
+ private:
+  void Return(void* p, size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (bytes == bytes_ && free_.size() < kKeep) {
+        free_.push_back(p);
+        return;
+      }
+    }
+    std::free(p);
+  }
+
+  std::mutex mu_;
+  size_t bytes_ = 0;
+  std::vector<void*> free_;
+};
 
 // A tensor shard's columns: forward()'s arguments, then the targets (last; None when
 // the shard has none). A tensor column is read row by row from its record.
@@ -279,7 +365,12 @@ class Dataset::Format {
   virtual ~Format() = default;
   // The samples `indices`, as a Batch of `num_arguments` inputs.
   virtual absl::StatusOr<Batch> Read(const std::vector<int64_t>& indices) = 0;
+  // Starts reading the samples `indices` into the page cache without waiting (a hint:
+  // errors are left to Read). Returns the bytes asked for.
+  virtual int64_t Prefetch(const std::vector<int64_t>& indices) = 0;
   virtual int64_t bytes_read() const = 0;
+  // Reads so far that waited for the disk (ShardFiles::misses).
+  virtual int64_t misses() const = 0;
 };
 
 namespace {
@@ -303,27 +394,26 @@ class TokenFormat : public Dataset::Format {
   absl::StatusOr<Batch> Read(const std::vector<int64_t>& indices) override {
     const int64_t n = static_cast<int64_t>(indices.size()), L = seq_len_;
     at::Tensor inputs, targets;
-    if (with_input_) inputs = at::empty({n, L}, at::kLong);
-    if (with_targets_) targets = at::empty({n, L}, at::kLong);
+    if (with_input_) inputs = pool_->Empty(n, L);
+    if (with_targets_) targets = pool_->Empty(n, L);
     int64_t* in = with_input_ ? inputs.data_ptr<int64_t>() : nullptr;
     int64_t* tg = with_targets_ ? targets.data_ptr<int64_t>() : nullptr;
     // Runs of consecutive samples (all of a step's, in order) are one read: their
     // windows share tokens. A shuffled step reads window by window.
-    for (int64_t j0 = 0; j0 < n;) {
-      int64_t j1 = j0 + 1;
-      while (j1 < n && indices[static_cast<size_t>(j1)] == indices[static_cast<size_t>(j1 - 1)] + 1) ++j1;
-      const int64_t first = indices[static_cast<size_t>(j0)] * L, count = (j1 - j0) * L + 1;
-      PIPPY_RETURN_IF_ERROR(ReadTokens(first, count));
-      for (int64_t j = j0; j < j1; ++j) {
-        const int64_t w = (j - j0) * L;
+    int64_t j = 0;
+    absl::Status status;
+    ForEachRun(indices, [&](int64_t first, int64_t count) {
+      if (!status.ok()) return;
+      status = ReadTokens(first, count);
+      for (int64_t w = 0; status.ok() && w + L < count; w += L, ++j) {
         if (width_ == 2) {
           Widen<uint16_t>(w, L, in, tg, j * L);
         } else {
           Widen<uint32_t>(w, L, in, tg, j * L);
         }
       }
-      j0 = j1;
-    }
+    });
+    PIPPY_RETURN_IF_ERROR(status);
     Batch batch;
     batch.inputs.assign(static_cast<size_t>(num_arguments_), c10::IValue());
     if (with_input_) batch.inputs[0] = std::move(inputs);
@@ -332,65 +422,109 @@ class TokenFormat : public Dataset::Format {
   }
 
   int64_t bytes_read() const override { return files_.bytes_read(); }
+  int64_t misses() const override { return files_.misses(); }
+
+  int64_t Prefetch(const std::vector<int64_t>& indices) override {
+    int64_t bytes = 0;
+    ForEachRun(indices, [&](int64_t first, int64_t count) {
+      for (int64_t done = 0; done < count;) {
+        const auto [s, at] = Locate(starts_, first + done);
+        const int64_t take = std::min(count - done, layout_.shards(s).rows() - at);
+        files_.Prefetch(s, at * width_, take * width_);
+        done += take;
+      }
+      bytes += count * width_;
+    });
+    return bytes;
+  }
 
  private:
+  // Calls f(first token, token count) for each run of consecutive samples of
+  // `indices`: their windows share tokens, so a run is one read.
+  template <typename F>
+  void ForEachRun(const std::vector<int64_t>& indices, F f) const {
+    const int64_t n = static_cast<int64_t>(indices.size()), L = seq_len_;
+    for (int64_t j0 = 0; j0 < n;) {
+      int64_t j1 = j0 + 1;
+      while (j1 < n && indices[static_cast<size_t>(j1)] == indices[static_cast<size_t>(j1 - 1)] + 1) ++j1;
+      f(indices[static_cast<size_t>(j0)] * L, (j1 - j0) * L + 1);
+      j0 = j1;
+    }
+  }
+
   // Tokens [first, first + count) of the stream, across shard boundaries, into raw_
   // (ids checked against the layout's token_limit). Errors: ShardFiles::Read's;
   // INVALID_ARGUMENT naming the shard and offset of an id past the limit.
   absl::Status ReadTokens(int64_t first, int64_t count) {
-    raw_.resize(static_cast<size_t>(count * width_));
+    return width_ == 2 ? ReadTokens<uint16_t>(first, count) : ReadTokens<uint32_t>(first, count);
+  }
+  template <typename T>
+  absl::Status ReadTokens(int64_t first, int64_t count) {
+    std::vector<T>& raw = Raw<T>();
+    raw.resize(static_cast<size_t>(count));
     for (int64_t done = 0; done < count;) {
       const auto [s, at] = Locate(starts_, first + done);
       const int64_t take = std::min(count - done, layout_.shards(s).rows() - at);
-      PIPPY_RETURN_IF_ERROR(files_.Read(s, at * width_, take * width_, raw_.data() + done * width_));
+      PIPPY_RETURN_IF_ERROR(files_.Read(s, at * width_, take * width_, raw.data() + done));
       done += take;
     }
+    FromLittleEndian(raw);
     const int64_t limit = layout_.token_limit();
     if (limit <= 0) return absl::OkStatus();
-    const uint64_t top = width_ == 2 ? Largest<uint16_t>(count) : Largest<uint32_t>(count);
-    if (top < static_cast<uint64_t>(limit)) return absl::OkStatus();
+    const T* r = raw.data();
+    T top = 0;
+    for (int64_t t = 0; t < count; ++t) top = std::max(top, r[t]);  // vectorised: one pass, no branch
+    if (static_cast<uint64_t>(top) < static_cast<uint64_t>(limit)) return absl::OkStatus();
     int64_t k = 0;
-    auto id = [&](int64_t t) { return width_ == 2 ? Token<uint16_t>(t) : Token<uint32_t>(t); };
-    while (id(k) < static_cast<uint64_t>(limit)) ++k;
+    while (static_cast<uint64_t>(r[k]) < static_cast<uint64_t>(limit)) ++k;
     const auto [s, at] = Locate(starts_, first + k);
     return absl::InvalidArgumentError(absl::StrCat(
-        "dataset: the shard '", files_.path(s), "' holds token id ", id(k), " at token ", at, " (byte ", at * width_,
-        "), outside the model's embedding of ", limit,
+        "dataset: the shard '", files_.path(s), "' holds token id ", static_cast<uint64_t>(r[k]), " at token ", at,
+        " (byte ", at * width_, "), outside the model's embedding of ", limit,
         " rows: the dataset was made for another vocabulary (or --token-dtype is not ", TokenName(dtype_), ")"));
   }
 
-  // raw_'s t-th id (little-endian T).
   template <typename T>
-  uint64_t Token(int64_t t) const {
-    T v;
-    std::memcpy(&v, raw_.data() + t * static_cast<int64_t>(sizeof(T)), sizeof(T));
+  std::vector<T>& Raw() {
+    if constexpr (sizeof(T) == 2) {
+      return raw16_;
+    } else {
+      return raw32_;
+    }
+  }
+  // The files hold little-endian ids.
+  template <typename T>
+  static void FromLittleEndian(std::vector<T>& raw) {
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-    v = sizeof(T) == 2 ? static_cast<T>(__builtin_bswap16(static_cast<uint16_t>(v)))
-                       : static_cast<T>(__builtin_bswap32(static_cast<uint32_t>(v)));
+    for (T& v : raw) {
+      v = sizeof(T) == 2 ? static_cast<T>(__builtin_bswap16(static_cast<uint16_t>(v)))
+                         : static_cast<T>(__builtin_bswap32(static_cast<uint32_t>(v)));
+    }
+#else
+    (void)raw;
 #endif
-    return v;
   }
+  // The window of L + 1 ids at the last read's id `w`: its first L to in[at..], its
+  // last L to tg[at..].
   template <typename T>
-  uint64_t Largest(int64_t count) const {
-    uint64_t top = 0;
-    for (int64_t t = 0; t < count; ++t) top = std::max(top, Token<T>(t));
-    return top;
-  }
-  // The window of L + 1 ids at raw_'s id `w`: its first L to in[at..], its last L to tg[at..].
-  template <typename T>
-  void Widen(int64_t w, int64_t L, int64_t* in, int64_t* tg, int64_t at) const {
+  void Widen(int64_t w, int64_t L, int64_t* in, int64_t* tg, int64_t at) {
+    const T* r = Raw<T>().data() + w;
     if (in != nullptr) {
-      for (int64_t t = 0; t < L; ++t) in[at + t] = static_cast<int64_t>(Token<T>(w + t));
+      int64_t* to = in + at;
+      for (int64_t t = 0; t < L; ++t) to[t] = static_cast<int64_t>(r[t]);
     }
     if (tg != nullptr) {
-      for (int64_t t = 0; t < L; ++t) tg[at + t] = static_cast<int64_t>(Token<T>(w + t + 1));
+      int64_t* to = tg + at;
+      for (int64_t t = 0; t < L; ++t) to[t] = static_cast<int64_t>(r[t + 1]);
     }
   }
 
   const DatasetLayout layout_;
   ShardFiles files_;
   const std::vector<int64_t> starts_;
-  std::vector<char> raw_;  // the last read's bytes
+  std::vector<uint16_t> raw16_;  // the last read's ids (uint16 streams)
+  std::vector<uint32_t> raw32_;  // (uint32 streams)
+  const std::shared_ptr<BufferPool> pool_ = std::make_shared<BufferPool>();
   const int64_t seq_len_;
   const TokenDtype dtype_;
   const int width_;
@@ -443,6 +577,24 @@ class TensorFormat : public Dataset::Format {
   }
 
   int64_t bytes_read() const override { return files_.bytes_read(); }
+  int64_t misses() const override { return files_.misses(); }
+
+ public:
+  int64_t Prefetch(const std::vector<int64_t>& indices) override {
+    int64_t bytes = 0;
+    for (int64_t index : indices) {
+      const auto [s, row] = Locate(starts_, index);
+      absl::StatusOr<const std::vector<Column>*> columns = ColumnsOf(s);
+      if (!columns.ok()) return bytes;
+      for (size_t c = 0; c < wanted_.size(); ++c) {
+        const Column& col = (**columns)[c];
+        if (!wanted_[c] || !col.tensor) continue;
+        files_.Prefetch(s, col.offset + row * col.row_bytes, col.row_bytes);
+        bytes += col.row_bytes;
+      }
+    }
+    return bytes;
+  }
 
  private:
   // Shard `s`'s columns, read from its skeleton when first needed and checked against
@@ -587,7 +739,31 @@ int64_t Dataset::bytes_read() const { return format_->bytes_read(); }
 
 absl::StatusOr<Batch> Dataset::Read(int64_t step, int64_t batch, int replica, int replicas) {
   const std::vector<int64_t> indices = sampler_.Indices(step, replica, replicas);
-  return TorchCall("reading a batch of the dataset", [&]() -> absl::StatusOr<Batch> { return format_->Read(indices); });
+  const int64_t misses = format_->misses();
+  absl::StatusOr<Batch> out =
+      TorchCall("reading a batch of the dataset", [&]() -> absl::StatusOr<Batch> { return format_->Read(indices); });
+  reads_since_miss_ = format_->misses() > misses ? 0 : reads_since_miss_ + 1;
+  if (out.ok()) Prefetch(step, replica, replicas);
+  return out;
+}
+
+void Dataset::Prefetch(int64_t step, int replica, int replicas) {
+  // Steps are read in order (a jump, as at a resume, starts over): the next steps' rows
+  // are asked for up to kPrefetchBytes ahead, each step once, while reads still meet
+  // the disk (a dataset in the page cache is not asked for: a shuffled step would
+  // spend a system call per window on it).
+  if (step < prefetched_from_ || step > prefetched_to_) prefetched_to_ = step;
+  prefetched_from_ = step;
+  if (reads_since_miss_ >= kWarmReads) {
+    prefetched_to_ = step;
+    return;
+  }
+  while (prefetched_to_ < step + 1 || (prefetched_to_ - step) * step_bytes_ < kPrefetchBytes) {
+    ++prefetched_to_;
+    const int64_t bytes = format_->Prefetch(sampler_.Indices(prefetched_to_, replica, replicas));
+    if (bytes <= 0) break;
+    step_bytes_ = bytes;
+  }
 }
 
 }  // namespace pippy::stage

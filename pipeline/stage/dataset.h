@@ -82,9 +82,20 @@ class Dataset : public BatchSource {
 
  private:
   Dataset(Sampler sampler, std::unique_ptr<Format> format);
+  // Asks the kernel for the rows of the steps after `step` (posix_fadvise WILLNEED),
+  // kPrefetchBytes ahead, so that the disk reads them while this step computes; not
+  // once kWarmReads reads in a row found their rows in the page cache.
+  void Prefetch(int64_t step, int replica, int replicas);
+
+  static constexpr int64_t kPrefetchBytes = 8 << 20;
+  static constexpr int64_t kWarmReads = 256;
 
   Sampler sampler_;
   std::unique_ptr<Format> format_;
+  int64_t prefetched_from_ = -1;  // the last step read
+  int64_t prefetched_to_ = -1;    // the last step whose rows were asked for
+  int64_t step_bytes_ = 0;        // the bytes of a step's rows
+  int64_t reads_since_miss_ = 0;  // reads in a row that found their rows in the page cache
 };
 
 }  // namespace pippy::stage

@@ -101,6 +101,41 @@ TEST_F(DatasetTest, Tokens_ARankReadsOnlyWhatItNeeds) {
   EXPECT_TRUE(b->target.isTensor());
 }
 
+// Batches' buffers are recycled (dataset.cc's BufferPool): one still held is never
+// written by a later read, and a batch outlives its reader.
+TEST_F(DatasetTest, Tokens_HeldBatchesKeepTheirValuesAcrossLaterReads) {
+  WriteTokens({2000});
+  for (bool shuffle : {false, true}) {
+    SCOPED_TRACE(shuffle ? "shuffled" : "in order");
+    auto index = IndexDataset(Tokens(8, shuffle), one_arg_, 4, Roots());
+    ASSERT_TRUE(index.ok()) << index.status();
+    auto ds = Dataset::Open(Tokens(8, shuffle), *index, one_arg_, {0}, true, 4, 0, Roots());
+    ASSERT_TRUE(ds.ok()) << ds.status();
+    std::vector<at::Tensor> held, copies;
+    for (int64_t step = 0; step < 30; ++step) {  // more batches than the pool keeps
+      absl::StatusOr<Batch> b = (*ds)->Read(step, 4, 0, 1);
+      ASSERT_TRUE(b.ok()) << b.status();
+      const at::Tensor x = b->inputs[0].toTensor(), y = b->target.toTensor();
+      // Each row is a window: ids sample * 8 + t, the targets one further.
+      const std::vector<int64_t> samples = (*ds)->sampler().Indices(step);
+      for (int64_t j = 0; j < 4; ++j) {
+        ASSERT_EQ(x[j][0].item<int64_t>(), samples[static_cast<size_t>(j)] * 8);
+        ASSERT_EQ(y[j][7].item<int64_t>(), samples[static_cast<size_t>(j)] * 8 + 8);
+      }
+      if (step % 2 == 0) {  // every other batch held, the rest dropped (and recycled)
+        held.push_back(x);
+        copies.push_back(x.clone());
+        held.push_back(y);
+        copies.push_back(y.clone());
+      }
+    }
+    ds->reset();  // the held tensors outlive the reader
+    for (size_t i = 0; i < held.size(); ++i) {
+      EXPECT_TRUE(at::equal(held[i], copies[i])) << "batch tensor " << i << " changed after later reads";
+    }
+  }
+}
+
 // Data parallelism with shuffle, counted through the reader: every sample of an epoch
 // is read exactly once across the two replicas (a window's first token tells its sample).
 TEST_F(DatasetTest, Tokens_ShuffledReplicasReadEachSampleOnceAnEpoch) {
