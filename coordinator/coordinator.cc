@@ -47,6 +47,10 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(const Options& 
 }
 
 void Coordinator::RestoreJobs() {
+  // Uploaded datasets of submissions cut off by the restart, or of jobs that ended as
+  // the coordinator stopped (or that could not be restored), are named by no job that
+  // will run again.
+  std::set<std::string> datasets_in_use;
   for (const Job& record : store_->List()) {
     next_job_ = std::max(next_job_, JobNumber(record.job_id()) + 1);
     JobRun::Restored restored = JobRun::Restored::kEnded;
@@ -59,18 +63,13 @@ void Coordinator::RestoreJobs() {
     if (restored == JobRun::Restored::kPreparing) {
       tasks_.Run([this, id = record.job_id(), spec = record.spec()] { PrepareDetached(id, spec); });
     }
+    const Job& j = run->job();  // as restored: a job that could not be is FAILED
+    if (!IsTerminal(j.state()) && j.spec().data().dataset().uploaded()) {
+      datasets_in_use.insert(std::filesystem::path(j.spec().data().dataset().path()).lexically_normal().string());
+    }
     AddJob(std::move(run));
   }
-  // Uploaded datasets of submissions cut off by the restart, or of jobs that ended as
-  // the coordinator stopped, are named by no job that will run again.
-  std::set<std::string> in_use;
-  for (const auto& [id, run] : jobs_) {
-    const Job& j = run->job();
-    if (!IsTerminal(j.state()) && j.spec().data().dataset().uploaded()) {
-      in_use.insert(std::filesystem::path(j.spec().data().dataset().path()).lexically_normal().string());
-    }
-  }
-  artifacts_->RemoveUploadedDatasetsExcept(in_use);
+  artifacts_->RemoveUploadedDatasetsExcept(datasets_in_use);
 }
 
 Coordinator::~Coordinator() {

@@ -196,11 +196,8 @@ TEST_F(CoordinatorTest, Restart_ResumesPlacedJobs_WorkersKeepTheirIds_FinishedOn
 // A queued job (no workers yet) is queued again after a restart and placed from its
 // stage files when workers come.
 TEST_F(CoordinatorTest, Restart_KeepsQueuedJobsQueued) {
-  Start("restart_queued");
-  auto id = Submit(MlpSpec(2), Slurp(kZoo + "mlp.pt"), Slurp(kZoo + "mlp.data.pt"));
+  auto id = QueueMlpAndStop("restart_queued");
   ASSERT_TRUE(id.ok()) << id.status();
-  ASSERT_EQ(WaitForState(*id, QUEUED).state(), QUEUED);
-  coordinator_.reset();
   Start("restart_queued", 1 << 20, /*keep_state=*/true);
   Job again = *coordinator_->GetJob(*id);
   EXPECT_EQ(again.state(), QUEUED);
@@ -218,11 +215,8 @@ TEST_F(CoordinatorTest, Restart_KeepsQueuedJobsQueued) {
 // Uploaded datasets no job names (a submission cut off by the restart) are removed at
 // start-up.
 TEST_F(CoordinatorTest, Restart_RemovesUploadedDatasetsNoJobNames) {
-  Start("restart_datasets");
-  auto id = Submit(MlpSpec(2), Slurp(kZoo + "mlp.pt"), Slurp(kZoo + "mlp.data.pt"));
+  auto id = QueueMlpAndStop("restart_datasets");
   ASSERT_TRUE(id.ok()) << id.status();
-  ASSERT_EQ(WaitForState(*id, QUEUED).state(), QUEUED);
-  coordinator_.reset();
   const std::filesystem::path datasets = std::filesystem::absolute(state_ + "/datasets");
   for (const char* dir : {"4242-1", "4242-2"}) {
     std::filesystem::create_directories(datasets / dir);

@@ -217,6 +217,20 @@ class CoordinatorTest : public ::testing::Test {
     return WaitForJob(job_id, [state](const Job& j) { return j.state() == state; });
   }
 
+  // Starts a coordinator named `name`, submits the zoo's MLP (2 stages), waits for it
+  // to be QUEUED (no workers come) and stops the coordinator: the job's id, for a test
+  // that starts it again with keep_state.
+  absl::StatusOr<std::string> QueueMlpAndStop(const std::string& name) {
+    Start(name);
+    auto id = Submit(MlpSpec(2), Slurp(kZoo + "mlp.pt"), Slurp(kZoo + "mlp.data.pt"));
+    if (!id.ok()) return id.status();
+    if (const Job j = WaitForState(*id, QUEUED); j.state() != QUEUED) {
+      return absl::InternalError(absl::StrCat(*id, " is ", JobState_Name(j.state()), ", not QUEUED"));
+    }
+    coordinator_.reset();
+    return id;
+  }
+
   // Plays a worker that trains nothing: reports its address, `steps` step reports,
   // sends its stages back unchanged and finishes.
   // Reports the rank's address and steps [from, to); with `checkpoint_every`, sends a

@@ -427,12 +427,10 @@ class TokenFormat : public Dataset::Format {
   int64_t Prefetch(const std::vector<int64_t>& indices) override {
     int64_t bytes = 0;
     ForEachRun(indices, [&](int64_t first, int64_t count) {
-      for (int64_t done = 0; done < count;) {
-        const auto [s, at] = Locate(starts_, first + done);
-        const int64_t take = std::min(count - done, layout_.shards(s).rows() - at);
+      (void)ForEachPiece(first, count, [&](int s, int64_t at, int64_t take, int64_t) {
         files_.Prefetch(s, at * width_, take * width_);
-        done += take;
-      }
+        return absl::OkStatus();
+      });
       bytes += count * width_;
     });
     return bytes;
@@ -452,8 +450,21 @@ class TokenFormat : public Dataset::Format {
     }
   }
 
-  // Tokens [first, first + count) of the stream, across shard boundaries, into raw_
-  // (ids checked against the layout's token_limit). Errors: ShardFiles::Read's;
+  // Calls f(shard, its first token, tokens, tokens before) for each shard's piece of
+  // the stream's tokens [first, first + count), in order; stops at f's first error.
+  template <typename F>
+  absl::Status ForEachPiece(int64_t first, int64_t count, F f) const {
+    for (int64_t done = 0; done < count;) {
+      const auto [s, at] = Locate(starts_, first + done);
+      const int64_t take = std::min(count - done, layout_.shards(s).rows() - at);
+      PIPPY_RETURN_IF_ERROR(f(s, at, take, done));
+      done += take;
+    }
+    return absl::OkStatus();
+  }
+
+  // Tokens [first, first + count) of the stream, across shard boundaries, into
+  // Raw<T>() (ids checked against the layout's token_limit). Errors: ShardFiles::Read's;
   // INVALID_ARGUMENT naming the shard and offset of an id past the limit.
   absl::Status ReadTokens(int64_t first, int64_t count) {
     return width_ == 2 ? ReadTokens<uint16_t>(first, count) : ReadTokens<uint32_t>(first, count);
@@ -462,12 +473,9 @@ class TokenFormat : public Dataset::Format {
   absl::Status ReadTokens(int64_t first, int64_t count) {
     std::vector<T>& raw = Raw<T>();
     raw.resize(static_cast<size_t>(count));
-    for (int64_t done = 0; done < count;) {
-      const auto [s, at] = Locate(starts_, first + done);
-      const int64_t take = std::min(count - done, layout_.shards(s).rows() - at);
-      PIPPY_RETURN_IF_ERROR(files_.Read(s, at * width_, take * width_, raw.data() + done));
-      done += take;
-    }
+    PIPPY_RETURN_IF_ERROR(ForEachPiece(first, count, [&](int s, int64_t at, int64_t take, int64_t done) {
+      return files_.Read(s, at * width_, take * width_, raw.data() + done);
+    }));
     FromLittleEndian(raw);
     const int64_t limit = layout_.token_limit();
     if (limit <= 0) return absl::OkStatus();
