@@ -12,6 +12,10 @@ The models cover what the partitioner must handle:
   mlp_marked  the same with PipeSplit marker modules between layers
   gpt         GPT-like decoder: embedding, nn.ModuleList of blocks (attention, LayerNorm,
               residuals, dropout reading `training`), LM head tied to the embedding
+  llama       Llama-like decoder for tensor parallelism: separate q/k/v/o projections (biases
+              on q, v, o), `view(B, T, -1, head_dim)` (the head count follows the sharding, as
+              torchtitan's Llama writes it), RMSNorm, a SwiGLU MLP (gate/up/down), untied head
+  llama_fixed_heads  the same with the head count written into view() (a TP refusal case)
   unet        U-Net-like convnet with a skip connection from the first to the last level
   cnn_bn      ResNet-like CNN with BatchNorm in training mode and in-place ops
   multi       two inputs, tuple output, an int attribute, prim::If and prim::Loop
@@ -101,6 +105,94 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+    @torch.jit.export
+    def loss(self, output, target):
+        return F.cross_entropy(output.view(-1, output.size(-1)), target.view(-1))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, d, n_head, max_len):
+        super().__init__()
+        self.q = nn.Linear(d, d)
+        self.k = nn.Linear(d, d, bias=False)  # a key bias has no gradient: softmax ignores a shift shared by all keys
+        self.v = nn.Linear(d, d)
+        self.o = nn.Linear(d, d)
+        self.n_head = n_head
+        self.head_dim = d // n_head
+        self.register_buffer("mask", torch.tril(torch.ones(max_len, max_len)))
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        return self.attend(q, x, B, T)
+
+    def attend(self, q, x, B: int, T: int):
+        k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+        att = att.masked_fill(self.mask[:T, :T] == 0, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        y = (att @ v).transpose(1, 2).contiguous().view(B, T, -1)
+        return self.o(y)
+
+
+class FixedHeadsAttention(LlamaAttention):
+    """Writes the head count into view(): sharding q by columns cannot follow it."""
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q = self.q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        return self.attend(q, x, B, T)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d, hidden):
+        super().__init__()
+        self.gate = nn.Linear(d, hidden, bias=False)
+        self.up = nn.Linear(d, hidden, bias=False)
+        self.down = nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, d, n_head, max_len, fixed_heads):
+        super().__init__()
+        self.attn_norm = RMSNorm(d)
+        self.attn = (FixedHeadsAttention if fixed_heads else LlamaAttention)(d, n_head, max_len)
+        self.mlp_norm = RMSNorm(d)
+        self.mlp = SwiGLU(d, 2 * d)
+
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, vocab=64, d=32, n_head=4, n_layer=4, max_len=16, fixed_heads=False):
+        super().__init__()
+        self.tok_emb = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList([LlamaBlock(d, n_head, max_len, fixed_heads) for _ in range(n_layer)])
+        self.norm = RMSNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.tok_emb(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
 
     @torch.jit.export
     def loss(self, output, target):
@@ -221,6 +313,10 @@ def zoo(gpt_layers):
     models["multi"] = (Multi(), {"x": torch.randn(8, 8, generator=g), "y": torch.randn(8, 4, generator=g)},
                        torch.randn(8, 8, generator=g))
     models["iface"] = (Iface(), torch.randn(2, 4, generator=g), torch.randn(2, 4, generator=g))
+    models["llama"] = (Llama(), torch.randint(0, 64, (8, 16), generator=g),
+                       torch.randint(0, 64, (8, 16), generator=g))
+    models["llama_fixed_heads"] = (Llama(fixed_heads=True), torch.randint(0, 64, (8, 16), generator=g),
+                                   torch.randint(0, 64, (8, 16), generator=g))
     if gpt_layers:
         models["gpt_deep"] = (GPT(vocab=32, d=16, n_head=2, n_layer=gpt_layers, max_len=8),
                               torch.randint(0, 32, (4, 8), generator=g),
