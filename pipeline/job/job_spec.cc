@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "pipeline/tensor_parallel/tp_plan.h"
 #include "proto/names.h"
 
 namespace pippy::job {
@@ -193,6 +194,9 @@ absl::Status CheckSpec(JobSpec* spec) {
   if (spec->replicas() < 0) return Bad("replicas", "must not be negative");
   if (spec->replicas() == 0) spec->set_replicas(1);
   if (spec->replicas() > 1 && !train) return Bad("replicas", "data parallelism is for training jobs");
+  if (absl::Status tp = tp::CheckSpec(spec->tensor_parallel()); !tp.ok()) {
+    return Bad("tensor_parallel", std::string(tp.message()));
+  }
   if (spec->batch_size() % (int64_t{spec->replicas()} * sched->microbatches()) != 0) {
     // The micro-batch counts that would fit (the divisors of the batch per replica).
     std::vector<int64_t> fit;

@@ -41,12 +41,20 @@ absl::StatusOr<std::unique_ptr<RankJob>> RankJob::Create(const JobSpec& spec, co
                                                          const RankLayout& piece, int rank,
                                                          std::map<int, torch::jit::Module> stages,
                                                          transport::Transport* transport, absl::Duration timeout,
-                                                         transport::ReplicaGroup* replicas, c10::Device device) {
+                                                         transport::ReplicaGroup* replicas, c10::Device device,
+                                                         transport::ReplicaGroup* tensor_parallel) {
   const int want = std::max(1, spec.replicas());
   const int have = replicas != nullptr ? replicas->size() : 1;
   if (want != have) {
     return absl::InvalidArgumentError(absl::StrCat("the job has ", want, " replica(s) but rank ", rank, " was given a ",
                                                    "group of ", have));
+  }
+  const int tp_want = std::max(1, spec.tensor_parallel().size());
+  const int tp_have = tensor_parallel != nullptr ? tensor_parallel->size() : 1;
+  if (tp_want != tp_have || std::max(1, plan.tensor_parallel().size()) != tp_want) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the job has ", tp_want, " tensor-parallel rank(s) per stage but rank ", rank, " was given a group of ",
+        tp_have, " and a plan sharded ", std::max(1, plan.tensor_parallel().size()), " way(s)"));
   }
   std::unique_ptr<RankJob> job(new RankJob());
   job->spec_ = spec;
@@ -56,6 +64,7 @@ absl::StatusOr<std::unique_ptr<RankJob>> RankJob::Create(const JobSpec& spec, co
   PIPPY_ASSIGN_OR_RETURN(job->schedule_, RankSchedule(piece, rank, plan));
   stage::RuntimeOptions ro = RuntimeOptionsFor(spec, timeout);
   ro.replicas = replicas;
+  ro.tensor_parallel = tensor_parallel;
   ro.device = device;
   job->device_ = device;
   if (device.is_cuda() && spec.precision() != PRECISION_BF16) stage::UseExactFloat32();

@@ -43,6 +43,10 @@ class RankJob {
   // replicas (its index is the replica), which must outlive the RankJob; the rank then
   // trains on its replica's slice of every batch. Errors: also INVALID_ARGUMENT when
   // the group does not match spec.replicas.
+  // Tensor parallelism (spec.tensor_parallel.size T > 1): `stages` are this rank's
+  // shards (pipeline/tensor_parallel) and `tensor_parallel` the group of T ranks holding
+  // the other shards (its index is the shard), which must outlive the RankJob. Errors:
+  // also INVALID_ARGUMENT when the group or the plan do not match spec.tensor_parallel.
   // `device`: where the stages, activations, gradients and optimizer state live (see
   // RuntimeOptions::device; a GPU rank's transport must deliver there). An fp32 job on
   // a GPU turns TF32 off for the process, so that it computes what PyTorch's fp32 does.
@@ -51,7 +55,8 @@ class RankJob {
                                                          std::map<int, torch::jit::Module> stages,
                                                          transport::Transport* transport, absl::Duration timeout,
                                                          transport::ReplicaGroup* replicas = nullptr,
-                                                         c10::Device device = c10::Device(c10::kCPU));
+                                                         c10::Device device = c10::Device(c10::kCPU),
+                                                         transport::ReplicaGroup* tensor_parallel = nullptr);
 
   // Step `step` of the job on its batch from `data`: a training step, or forward only
   // for an inference job (the last stage's rank returns the merged output).

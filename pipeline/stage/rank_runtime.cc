@@ -14,6 +14,7 @@
 #include "common/status.h"
 #include "common/torch_status.h"
 #include "pipeline/schedule/simulator.h"
+#include "pipeline/tensor_parallel/tp_ops.h"
 #include "torch/csrc/autograd/autograd.h"
 #include "torch/csrc/autograd/function_hook.h"
 #include "torch/csrc/autograd/variable.h"
@@ -439,6 +440,7 @@ absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10:
   }
   auto start = std::chrono::steady_clock::now();
   waited_us_ = 0;
+  tp::ScopedGroup tp_group(options_.tensor_parallel);
   StepState st;
   st.step = step;
   st.training = training;
@@ -985,13 +987,17 @@ absl::Status RankRuntime::SyncTiedGradients(StepState& st) {
 }
 
 absl::StatusOr<double> RankRuntime::ClipGradients(int step) {
-  // Squared norm of this rank's gradients; a tied tensor counts once (its first holder).
+  // Squared norm of this rank's gradients; a tied tensor counts once (its first holder),
+  // and so does a tensor every rank of the tensor-parallel group holds whole (its first rank).
   double local = 0;
   std::vector<at::Tensor> grads;
+  transport::ReplicaGroup* tp_group = options_.tensor_parallel;
+  const bool tp = tp_group != nullptr && tp_group->size() > 1;
   for (const auto& [s, module] : stages_) {
     std::set<std::string> skip;
     for (const ParameterInfo& pi : plan_.stages(s).parameters()) {
       if (pi.tie_group() >= 0 && plan_.tied(pi.tie_group()).stages(0) != s) skip.insert(pi.name());
+      if (tp && !pi.has_tp_dim() && tp_group->index() != 0) skip.insert(pi.name());
     }
     for (const auto& p : module.named_parameters(true)) {
       if (!p.value.grad().defined()) continue;
@@ -1000,6 +1006,16 @@ absl::StatusOr<double> RankRuntime::ClipGradients(int step) {
     }
   }
   PIPPY_ASSIGN_OR_RETURN(double total, AllReduceSum(Collectives(step), local, "gradient-norm exchange"));
+  if (tp) {
+    // Across the group in float32 as two parts (high and low), so that the sum keeps
+    // about double precision.
+    at::Tensor parts = torch::empty({2}, at::kFloat);
+    const float high = static_cast<float>(total);
+    parts[0] = high;
+    parts[1] = static_cast<float>(total - static_cast<double>(high));
+    PIPPY_RETURN_IF_ERROR(tp_group->AllReduceSum(parts));
+    total = static_cast<double>(parts[0].item<float>()) + static_cast<double>(parts[1].item<float>());
+  }
   const double norm = std::sqrt(total);
   const double coef = options_.clip_grad_norm / (norm + 1e-6);
   if (coef < 1.0) {

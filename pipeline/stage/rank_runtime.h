@@ -65,6 +65,12 @@ struct RuntimeOptions {
   // sync. nullptr or size 1: no data parallelism. Must outlive the runtime.
   transport::ReplicaGroup* replicas = nullptr;
   size_t replica_bucket_bytes = 25 << 20;
+  // Tensor parallelism (PipelinePlan.tensor_parallel): the ranks computing this rank's
+  // stages with it, each holding its shard (pipeline/tensor_parallel). The stages'
+  // pippy::tp_* ops reduce over it (set as the step thread's group for every step); the
+  // global gradient norm sums the sharded parameters' squares across it and counts the
+  // replicated ones once. nullptr or size 1: none. Must outlive the runtime.
+  transport::ReplicaGroup* tensor_parallel = nullptr;
   // Where the stages' parameters, activations, gradients and optimizer state live: the
   // runtime moves the stage modules there before the optimizer is made, and each step's
   // inputs and targets; received values must arrive there (a GPU rank's transport is

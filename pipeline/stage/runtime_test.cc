@@ -8,6 +8,12 @@
 // are per micro-batch), and (b) the unsplit model on the full batch at once (models
 // without batch-coupled layers).
 //
+// Tensor parallelism (cases with tp = T > 1): each stage is sharded (pipeline/
+// tensor_parallel) and computed by T ranks, one pipeline of P ranks per shard, every
+// pipeline rank's T shards in one in-process group; each shard's parameters must equal
+// the matching slice of the unsplit model's, and the replicated parameters must be
+// bitwise the same on every rank of a group.
+//
 // Each run also records the tags every rank posts: both ends of every channel (one
 // kind of message between one pair of stages) must post its messages in one order,
 // which a transport that matches by order (NCCL) relies on.
@@ -32,6 +38,9 @@
 #include "pipeline/stage/data_source.h"
 #include "pipeline/stage/rank_runtime.h"
 #include "pipeline/stage/testing/reference_training.h"
+#include "pipeline/tensor_parallel/sharding.h"
+#include "pipeline/tensor_parallel/tp_ops.h"
+#include "pipeline/tensor_parallel/tp_plan.h"
 #include "pipeline/transport/loopback/loopback_transport.h"
 #include "torch/csrc/autograd/autograd.h"
 #include "torch/nn/utils/clip_grad.h"
@@ -57,6 +66,10 @@ const ModelSpec kModels[] = {
     {"cnn_bn", LOSS_CROSS_ENTROPY, true},
     {"multi", LOSS_MODEL, true},  // branches on the batch mean: per micro-batch, like BatchNorm
 };
+const ModelSpec kLlama = {"llama", LOSS_MODEL, false};  // the tensor-parallel cases'
+constexpr char kLlamaPlan[] =
+    "layers.*.attn.q=colwise,layers.*.attn.k=colwise,layers.*.attn.v=colwise,layers.*.attn.o=rowwise,"
+    "layers.*.mlp.gate=colwise,layers.*.mlp.up=colwise,layers.*.mlp.down=rowwise,tok_emb=vocab";
 
 struct Case {
   ModelSpec model;
@@ -65,6 +78,7 @@ struct Case {
   int stages_per_rank;
   OptimizerKind optimizer;
   double clip = 0;
+  int tp = 1;  // tensor-parallel ranks per stage (kLlamaPlan)
 };
 
 OptimizerOptions Optim(OptimizerKind kind) {
@@ -83,6 +97,7 @@ OptimizerOptions Optim(OptimizerKind kind) {
 
 struct PipelineRun {
   partition::Pipe pipe;
+  std::vector<std::vector<torch::jit::Module>> shards;  // [stage][tp rank] (tp > 1)
   schedule::Schedule schedule;
   std::vector<std::vector<StepResult>> results;  // [rank][step]
   std::vector<absl::Status> errors;
@@ -167,9 +182,25 @@ void RunPipeline(const Case& c, const std::vector<c10::IValue>& inputs, const c1
   auto pipe = partition::SplitModel(*model, so);
   ASSERT_TRUE(pipe.ok()) << pipe.status();
   run->pipe = std::move(*pipe);
-  auto loopback = transport::loopback::Create(c.ranks);
+  const int T = c.tp, P = c.ranks;
+  if (T > 1) {
+    tp::ShardOptions sh;
+    sh.spec = *tp::ParsePlan(kLlamaPlan, T);
+    sh.example_inputs = inputs;
+    auto shards = tp::ShardPipe(&run->pipe, sh);
+    ASSERT_TRUE(shards.ok()) << shards.status();
+    run->shards = std::move(*shards);
+  }
+  // One pipeline of P ranks per tensor-parallel rank t: transports[t * P + r].
+  std::vector<std::vector<std::unique_ptr<transport::Transport>>> loopbacks;
   std::vector<std::unique_ptr<RecordingTransport>> transports;
-  for (auto& t : loopback) transports.push_back(std::make_unique<RecordingTransport>(t.get()));
+  for (int t = 0; t < T; ++t) {
+    loopbacks.push_back(transport::loopback::Create(P));
+    for (auto& l : loopbacks.back()) transports.push_back(std::make_unique<RecordingTransport>(l.get()));
+  }
+  std::vector<std::unique_ptr<tp::LocalGroup>> groups;  // by pipeline rank
+  for (int r = 0; r < P && T > 1; ++r) groups.push_back(std::make_unique<tp::LocalGroup>(T, absl::Seconds(30)));
+  auto stage_module = [&](int s, int t) { return T > 1 ? run->shards[s][t] : run->pipe.stages[s]; };
   // Generated schedules: the job's spec and job::RankJob, exactly as a worker sets up
   // its rank; every step trains on the whole example batch.
   JobSpec spec;
@@ -193,6 +224,7 @@ void RunPipeline(const Case& c, const std::vector<c10::IValue>& inputs, const c1
     spec.mutable_optimizer()->set_weight_decay(o.weight_decay);
     spec.mutable_optimizer()->set_clip_grad_norm(c.clip);
   }
+  if (T > 1) *spec.mutable_tensor_parallel() = run->pipe.plan.tensor_parallel();
   ASSERT_TRUE(job::CheckSpec(&spec).ok()) << job::CheckSpec(&spec);
   std::vector<std::string> names;
   for (const ModelValue& v : run->pipe.plan.inputs()) names.push_back(v.name());
@@ -216,35 +248,40 @@ void RunPipeline(const Case& c, const std::vector<c10::IValue>& inputs, const c1
     run->schedule = *sched;
     absl::StatusOr<JobLayout> layout = job::MakeLayout(spec, run->pipe.plan);
     ASSERT_TRUE(layout.ok()) << layout.status();
-    for (int r = 0; r < c.ranks; ++r) {
-      std::map<int, torch::jit::Module> mine;
-      for (int s : run->schedule.StagesOf(r)) mine[s] = run->pipe.stages[s];
-      auto rj = job::RankJob::Create(spec, run->pipe.plan, layout->ranks(r), r, mine, transports[r].get(),
-                                     absl::Seconds(30));
-      ASSERT_TRUE(rj.ok()) << rj.status();
-      jobs.push_back(std::move(*rj));
+    for (int t = 0; t < T; ++t) {
+      for (int r = 0; r < c.ranks; ++r) {
+        std::map<int, torch::jit::Module> mine;
+        for (int s : run->schedule.StagesOf(r)) mine[s] = stage_module(s, t);
+        auto rj = job::RankJob::Create(spec, run->pipe.plan, layout->ranks(r), r, mine, transports[t * P + r].get(),
+                                       absl::Seconds(30), nullptr, c10::Device(c10::kCPU),
+                                       T > 1 ? groups[r]->member(t) : nullptr);
+        ASSERT_TRUE(rj.ok()) << rj.status();
+        jobs.push_back(std::move(*rj));
+      }
     }
   }
   ASSERT_TRUE(schedule::Simulate(run->schedule).ok());
-  run->results.assign(c.ranks, {});
-  run->errors.assign(c.ranks, absl::OkStatus());
+  run->results.assign(T * P, {});
+  run->errors.assign(T * P, absl::OkStatus());
   std::vector<std::thread> threads;
-  for (int r = 0; r < c.ranks; ++r) {
-    threads.emplace_back([&, r] {
+  for (int g = 0; g < T * P; ++g) {
+    threads.emplace_back([&, g] {
+      const int r = g % P;
       for (int step = 0; step < kSteps; ++step) {
         absl::StatusOr<StepResult> res;
         if (!jobs.empty()) {
-          res = jobs[r]->RunStep(step, *data);
+          res = jobs[g]->RunStep(step, *data);
         } else {
           res = run->schedule.forward_only ? runtimes[r]->InferenceStep(step, inputs)
                                            : runtimes[r]->TrainStep(step, inputs, target);
         }
         if (!res.ok()) {
-          run->errors[r] = res.status();
-          transport::loopback::KillRank(loopback[r].get(), r);  // unblock the others
+          run->errors[g] = res.status();
+          transport::loopback::KillRank(loopbacks[g / P][r].get(), r);  // unblock the others
+          if (T > 1) groups[r]->Abort();
           return;
         }
-        run->results[r].push_back(*res);
+        run->results[g].push_back(*res);
       }
     });
   }
@@ -266,9 +303,43 @@ std::vector<double> TrainReference(torch::jit::Module& ref, const Case& c, const
                                microbatched ? kMicrobatches : 1, kSteps);
 }
 
+// Tensor parallelism: each shard's parameters against the matching slice of the
+// reference's; the replicated ones must also be bitwise equal across a group's ranks.
+double CompareShards(const PipelineRun& run, const torch::jit::Module& ref, int* compared) {
+  std::map<std::string, at::Tensor> want;
+  for (const auto& p : ref.named_parameters(true)) want[p.name] = p.value;
+  double worst = 0;
+  for (size_t s = 0; s < run.shards.size(); ++s) {
+    const int T = static_cast<int>(run.shards[s].size());
+    for (const ParameterInfo& pi : run.pipe.plan.stages(s).parameters()) {
+      if (pi.is_buffer()) continue;
+      for (int t = 0; t < T; ++t) {
+        at::Tensor got;
+        for (const auto& p : run.shards[s][t].named_parameters(true)) {
+          if (p.name == pi.name()) got = p.value;
+        }
+        EXPECT_TRUE(got.defined()) << pi.name();
+        if (!got.defined() || !want.count(pi.name())) continue;
+        const at::Tensor w = pi.has_tp_dim() ? tp::ShardOf(want[pi.name()], pi.tp_dim(), t, T) : want[pi.name()];
+        EXPECT_TRUE(got.sizes().equals(w.sizes())) << pi.name();
+        if (!got.sizes().equals(w.sizes())) continue;
+        worst = std::max(worst, RelDiff(got, w));
+        ++*compared;
+        if (!pi.has_tp_dim() && t > 0) {
+          for (const auto& p : run.shards[s][0].named_parameters(true)) {
+            if (p.name == pi.name()) EXPECT_TRUE(at::equal(p.value, got)) << pi.name() << " differs between ranks 0 and " << t;
+          }
+        }
+      }
+    }
+  }
+  return worst;
+}
+
 double CompareState(const PipelineRun& run, const torch::jit::Module& ref, bool* any) {
   int compared = 0;
-  double worst = testing::MaxRelativeDifference(run.pipe.stages, ref, &compared);
+  double worst = run.shards.empty() ? testing::MaxRelativeDifference(run.pipe.stages, ref, &compared)
+                                    : CompareShards(run, ref, &compared);
   *any = compared > 0;
   return worst;
 }
@@ -313,7 +384,7 @@ TEST_P(PipelineTrainingTest, ThreeSteps_MatchUnsplitTraining) {
 
   PipelineRun run;
   RunPipeline(c, *inputs, *target, &run);
-  for (int r = 0; r < c.ranks; ++r) ASSERT_TRUE(run.errors[r].ok()) << "rank " << r << ": " << run.errors[r];
+  for (size_t r = 0; r < run.errors.size(); ++r) ASSERT_TRUE(run.errors[r].ok()) << "rank " << r << ": " << run.errors[r];
   std::cout << "[ figure   ] posting order: " << run.pair_order_mismatches.size()
             << " direction(s) whose two ends post in different orders"
             << (run.pair_order_mismatches.empty() ? "" : " (first: " + run.pair_order_mismatches[0] + ")")
@@ -336,6 +407,7 @@ TEST_P(PipelineTrainingTest, ThreeSteps_MatchUnsplitTraining) {
   }
   g_worst_micro = std::max(g_worst_micro, micro);
   std::string line = absl::StrCat(c.model.name, " ", names::Name(c.kind), " ranks=", c.ranks,
+                                  c.tp > 1 ? absl::StrCat(" tensor-parallel=", c.tp) : "",
                                   " stages=", c.ranks * c.stages_per_rank, " ", job::OptimizerName(c.optimizer),
                                   " vs micro-batched reference: ", micro);
   if (!c.model.batch_coupled) {
@@ -377,6 +449,14 @@ std::vector<Case> TrainingCases() {
       for (OptimizerKind opt : {OPTIMIZER_SGD, OPTIMIZER_ADAMW}) out.push_back({m, k.kind, k.ranks, k.v, opt});
     }
   }
+  // Tensor parallelism: the zoo's Llama, P = 2 x T = 2, every schedule kind.
+  const K tp_kinds[] = {{SCHEDULE_GPIPE, 2, 1}, {SCHEDULE_1F1B, 2, 1}, {SCHEDULE_ZB1P, 2, 1},
+                        {SCHEDULE_INTERLEAVED_1F1B, 2, 2}, {SCHEDULE_ZBV, 2, 2}};
+  for (const K& k : tp_kinds) {
+    for (OptimizerKind opt : {OPTIMIZER_SGD, OPTIMIZER_ADAMW}) out.push_back({kLlama, k.kind, k.ranks, k.v, opt, 0, 2});
+  }
+  out.push_back({kLlama, SCHEDULE_1F1B, 2, 1, OPTIMIZER_ADAMW, 0.05, 2});  // the norm across shards
+  out.push_back({kLlama, SCHEDULE_1F1B, 2, 1, OPTIMIZER_ADAMW, 0, 1});     // the same model unsharded
   // Global gradient clipping across all stages (tight enough to clip every step).
   out.push_back({kModels[1], SCHEDULE_1F1B, 4, 1, OPTIMIZER_SGD, 0.05});
   out.push_back({kModels[0], SCHEDULE_ZBV, 2, 2, OPTIMIZER_ADAMW, 0.05});
@@ -389,7 +469,8 @@ INSTANTIATE_TEST_SUITE_P(Zoo, PipelineTrainingTest, ::testing::ValuesIn(Training
                            for (char& ch : n) if (ch == '-') ch = '_';
                            return absl::StrCat(i.param.model.name, "_", n, "_r", i.param.ranks, "v",
                                                i.param.stages_per_rank, "_", job::OptimizerName(i.param.optimizer),
-                                               i.param.clip > 0 ? "_clip" : "");
+                                               i.param.clip > 0 ? "_clip" : "",
+                                               i.param.tp > 1 ? absl::StrCat("_tp", i.param.tp) : "");
                          });
 
 class Reporter : public ::testing::Environment {
