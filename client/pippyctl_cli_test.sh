@@ -42,6 +42,16 @@ expect bad-balance 2 "--balance: unknown balance 'bytes': use params, flops, tim
 expect bad-stages 2 "--stages: 'two' is not a number" -- split "$ZOO/mlp.pt" --stages two
 expect zero-stages 2 "--stages: must be > 0" -- split "$ZOO/mlp.pt" --stages 0
 expect bad-output 2 "--output" -- --output yaml split "$ZOO/mlp.pt" --stages 2
+# Tensor parallelism: each refusal exits 2 naming the module and the fix.
+LLAMA_PLAN='layers.*.attn.q=colwise,layers.*.attn.k=colwise,layers.*.attn.v=colwise,layers.*.attn.o=rowwise,layers.*.mlp.gate=colwise,layers.*.mlp.up=colwise,layers.*.mlp.down=rowwise'
+LX=(--stages 2 --example-input "$ZOO/llama.input.pt")
+expect tp-no-match 2 "'layers.*.attn.query' matches no module" -- split "$ZOO/llama.pt" "${LX[@]}" --tensor-parallel 2 --tp-plan 'layers.*.attn.query=colwise'
+expect tp-not-linear 2 "layers.0.attn_norm (colwise) is not a Linear or an Embedding" -- split "$ZOO/llama.pt" "${LX[@]}" --tensor-parallel 2 --tp-plan 'layers.*.attn_norm=colwise'
+expect tp-indivisible 2 "but 3 does not divide 32: choose a --tensor-parallel that divides it" -- split "$ZOO/llama.pt" "${LX[@]}" --tensor-parallel 3 --tp-plan "$LLAMA_PLAN"
+expect tp-fixed-heads 2 "aten::view in layers.0.attn gives the sharded output of colwise layers.0.attn.q a fixed shape" -- split "$ZOO/llama_fixed_heads.pt" --stages 2 --example-input "$ZOO/llama_fixed_heads.input.pt" --tensor-parallel 2 --tp-plan "$LLAMA_PLAN"
+expect tp-fused-qkv 2 "blocks.0.attn.qkv looks like a fused projection" -- split "$ZOO/gpt.pt" --stages 2 --example-input "$ZOO/gpt.input.pt" --tensor-parallel 2 --tp-plan 'blocks.*.attn.qkv=colwise,blocks.*.attn.proj=rowwise'
+expect tp-needs-example 2 "give --example-input FILE" -- split "$ZOO/llama.pt" --stages 2 --tensor-parallel 2 --tp-plan "$LLAMA_PLAN"
+expect tp-needs-plan 2 "needs --tp-plan" -- split "$ZOO/llama.pt" "${LX[@]}" --tensor-parallel 2
 expect submit-needs-schedule 2 "--schedule is required" -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --microbatches 2 --batch-size 8
 expect submit-unknown-loss 2 "--loss: unknown loss 'l1': use mse, cross_entropy, model" -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --schedule 1f1b --microbatches 2 --batch-size 8 --loss l1
 expect submit-data-and-synthetic 2 "excludes --synthetic" -- submit "$ZOO/mlp.pt" --data "$ZOO/mlp.data.pt" --synthetic "inputs=float32[8,32]" --schedule 1f1b --microbatches 2 --batch-size 8

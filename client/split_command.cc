@@ -2,6 +2,7 @@
 // It runs as its own program, pippyctl-split (LibTorch), which pippyctl executes, so
 // that pippyctl itself does not load LibTorch (its memory stays small).
 #include <iostream>
+#include <optional>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -11,10 +12,13 @@
 #include "client/table.h"
 #include "common/cli.h"
 #include "common/proto_json.h"
+#include "common/torch_status.h"
 #include "pipeline/job/job_spec.h"
 #include "pipeline/torchio/model_io.h"
 #include "pipeline/partition/partition.h"
 #include "pipeline/partition/pipe_io.h"
+#include "pipeline/tensor_parallel/sharding.h"
+#include "pipeline/tensor_parallel/tp_plan.h"
 #include "torch/csrc/jit/runtime/graph_executor.h"
 
 namespace pippy::cli {
@@ -69,6 +73,22 @@ std::string RenderPlan(const PipelinePlan& plan) {
                     absl::StrJoin(stages, ", "), " (gradients summed across them)");
   }
   if (plan.tied_size() > 0) out += "\n";
+  if (plan.tensor_parallel().size() > 1) {
+    const int T = plan.tensor_parallel().size();
+    absl::StrAppend(&out, "\ntensor parallel: ", T, " ranks per stage (", tp::PlanText(plan.tensor_parallel()), ")\n");
+    for (const StagePlan& sp : plan.stages()) {
+      int64_t sharded = 0, replicated = 0;
+      int n = 0;
+      for (const ParameterInfo& pi : sp.parameters()) {
+        if (pi.is_buffer()) continue;
+        (pi.has_tp_dim() ? sharded : replicated) += pi.bytes();
+        n += pi.has_tp_dim();
+      }
+      absl::StrAppend(&out, "  stage ", sp.index(), ": ", n, " sharded tensors (", HumanBytes(static_cast<double>(sharded)),
+                      ", ", HumanBytes(static_cast<double>(sharded / T)), " per rank), replicated ",
+                      HumanBytes(static_cast<double>(replicated)), "\n");
+    }
+  }
   return out;
 }
 
@@ -80,6 +100,8 @@ struct SplitFlags {
   std::string example_input;
   std::string out;
   bool list_cuts = false;
+  int tensor_parallel = 1;
+  std::string tp_plan;
 };
 
 int RunSplit(const SplitFlags& f, const GlobalFlags& g) {
@@ -121,17 +143,45 @@ int RunSplit(const SplitFlags& f, const GlobalFlags& g) {
     if (!inputs.ok()) return Fail(kProgram, inputs.status());
     opts.example_inputs = *inputs;
   }
+  std::optional<TensorParallelSpec> tp_spec;
+  if (f.tensor_parallel > 1 || !f.tp_plan.empty()) {
+    auto spec = tp::ParsePlan(f.tp_plan, f.tensor_parallel);
+    if (!spec.ok()) return Fail(kProgram, spec.status());
+    tp_spec = *spec;
+  }
   auto pipe = partition::SplitModel(*model, opts);
   if (!pipe.ok()) return Fail(kProgram, pipe.status());
+  std::vector<std::vector<torch::jit::Module>> shards;
+  if (tp_spec) {
+    tp::ShardOptions so;
+    so.spec = *tp_spec;
+    so.example_inputs = opts.example_inputs;
+    auto sharded = tp::ShardPipe(&*pipe, so);
+    if (!sharded.ok()) return Fail(kProgram, sharded.status());
+    shards = std::move(*sharded);
+  }
   if (!f.out.empty()) {
     absl::Status written = partition::WritePipe(*pipe, f.out);
     if (!written.ok()) return Fail(kProgram, written);
+    for (size_t s = 0; s < shards.size(); ++s) {
+      for (size_t r = 0; r < shards[s].size(); ++r) {
+        const std::string path = absl::StrCat(f.out, "/stage_", s, ".tp_", r, ".pt");
+        absl::Status saved = TorchCall(absl::StrCat("writing '", path, "'"), [&] { shards[s][r].save(path); },
+                                       absl::StatusCode::kInternal);
+        if (!saved.ok()) return Fail(kProgram, saved);
+      }
+    }
   }
   if (g.output == "json") {
     std::cout << ProtoToJson(pipe->plan) << "\n";  // the CLI's JSON (docs/cli.md); plan.json files stay protobuf's
   } else {
     std::cout << RenderPlan(pipe->plan);
-    if (!f.out.empty()) std::cout << "\nwrote " << pipe->stages.size() << " stage files and plan.json to " << f.out << "\n";
+    if (!f.out.empty()) {
+      std::cout << "\nwrote " << pipe->stages.size() << " stage files"
+                << (shards.empty() ? "" : absl::StrCat(", their ", shards.size() * shards[0].size(),
+                                                      " tensor-parallel shards (stage_N.tp_R.pt)"))
+                << " and plan.json to " << f.out << "\n";
+    }
   }
   return kExitOk;
 }
@@ -155,6 +205,14 @@ void AddSplitOptions(CLI::App* cmd, const GlobalFlags& globals, int* exit_code) 
   cmd->add_option("--out", f->out, "write DIR/stage_N.pt (standalone TorchScript modules with the original "
                                    "parameter names) and DIR/plan.json");
   cmd->add_flag("--list-cuts", f->list_cuts, "list every legal cut and its --split-at name instead of splitting");
+  cmd->add_option("--tensor-parallel", f->tensor_parallel,
+                  "shard every stage across T ranks (tensor parallelism, as --tp-plan says); needs --example-input, "
+                  "on which the shards are checked against the unsplit stages")
+      ->check(cli::Positive());
+  cmd->add_option("--tp-plan", f->tp_plan,
+                  "PATTERN=STYLE,... with STYLE colwise | rowwise (nn.Linear) | vocab (nn.Embedding), patterns "
+                  "matching module paths atom by atom, e.g. layers.*.attn.q=colwise,layers.*.attn.o=rowwise; "
+                  "with --out also writes DIR/stage_N.tp_R.pt (they need pippy's ops to load)");
   cmd->callback([f, &globals, exit_code] { *exit_code = RunSplit(*f, globals); });
 }
 
