@@ -119,6 +119,14 @@ DataNeeds DataNeedsOf(const JobSpec& spec, const PipelinePlan& plan, const sched
   return needs;
 }
 
+int64_t StageBytesPerRank(const PipelinePlan& plan, const StagePlan& sp) {
+  const int T = plan.tensor_parallel().size();
+  if (T <= 1 || sp.parameters_size() == 0) return sp.param_bytes();
+  int64_t bytes = 0;
+  for (const ParameterInfo& pi : sp.parameters()) bytes += pi.has_tp_dim() ? pi.bytes() / T : pi.bytes();
+  return bytes;
+}
+
 int64_t RankMemoryBytes(const JobSpec& spec, const PipelinePlan& plan, const std::vector<int>& stage_to_rank,
                         int rank) {
   int64_t copies = 1;  // the parameters (and buffers)
@@ -131,7 +139,7 @@ int64_t RankMemoryBytes(const JobSpec& spec, const PipelinePlan& plan, const std
   int64_t bytes = 0;
   for (const StagePlan& sp : plan.stages()) {
     if (static_cast<size_t>(sp.index()) < stage_to_rank.size() && stage_to_rank[static_cast<size_t>(sp.index())] == rank) {
-      bytes += sp.param_bytes();
+      bytes += StageBytesPerRank(plan, sp);
     }
   }
   return bytes * copies;

@@ -48,8 +48,14 @@ DataNeeds DataNeedsOf(const JobSpec& spec, const PipelinePlan& plan, const sched
 // Device memory a rank's stages need (a GPU worker's placement is checked against it):
 // their parameters, plus for a training job their gradients and the optimizer's state
 // (SGD with momentum: one buffer; Adam and AdamW: two). Activations are not counted.
+// With tensor parallelism, a rank holds its shard: a T-th of each sharded tensor and all
+// of each replicated one.
 // REQUIRES: CheckSpec(spec) passed; stage_to_rank covers the plan.
 int64_t RankMemoryBytes(const JobSpec& spec, const PipelinePlan& plan, const std::vector<int>& stage_to_rank, int rank);
+
+// The bytes of stage `sp`'s parameters and buffers one rank holds: all of them, or with
+// tensor parallelism its shard (a T-th of the sharded tensors, the replicated ones whole).
+int64_t StageBytesPerRank(const PipelinePlan& plan, const StagePlan& sp);
 
 // Where a rank runs: the worker's host and its device.
 struct RankPlace {

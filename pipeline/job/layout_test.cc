@@ -121,6 +121,21 @@ TEST(MakeLayout, DataNeedsAndMemory_PerRank) {
   EXPECT_FALSE(inference->ranks(3).targets());
 }
 
+TEST(MakeLayout, TensorParallelRankHoldsItsShard) {
+  PipelinePlan plan = ChainWithSkip();
+  plan.mutable_tensor_parallel()->set_size(2);
+  // Stage 0: 800 bytes sharded (400 per rank) and 200 replicated.
+  StagePlan* sp = plan.mutable_stages(0);
+  ParameterInfo* w = sp->add_parameters();
+  w->set_bytes(800);
+  w->set_tp_dim(0);
+  sp->add_parameters()->set_bytes(200);
+  EXPECT_EQ(StageBytesPerRank(plan, plan.stages(0)), 600);
+  EXPECT_EQ(StageBytesPerRank(plan, plan.stages(1)), 1000);  // no parameter list: the stage's bytes
+  plan.mutable_tensor_parallel()->set_size(1);
+  EXPECT_EQ(StageBytesPerRank(plan, plan.stages(0)), 1000);
+}
+
 TEST(MakeLayout, ImpossibleSchedule_IsRefusedNamingIt) {
   absl::StatusOr<JobLayout> layout = MakeLayout(Spec(SCHEDULE_1F1B, 2), ChainWithSkip());
   EXPECT_EQ(layout.status().code(), absl::StatusCode::kInvalidArgument);

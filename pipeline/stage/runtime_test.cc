@@ -304,12 +304,20 @@ std::vector<double> TrainReference(torch::jit::Module& ref, const Case& c, const
 }
 
 // Tensor parallelism: each shard's parameters against the matching slice of the
-// reference's; the replicated ones must also be bitwise equal across a group's ranks.
+// reference's; the replicated ones must also be bitwise equal across a group's ranks;
+// the shards gathered back into whole tensors (what fetch writes) against the reference.
 double CompareShards(const PipelineRun& run, const torch::jit::Module& ref, int* compared) {
   std::map<std::string, at::Tensor> want;
   for (const auto& p : ref.named_parameters(true)) want[p.name] = p.value;
   double worst = 0;
   for (size_t s = 0; s < run.shards.size(); ++s) {
+    auto whole = tp::GatherShards(run.pipe.plan.stages(s), run.shards[s]);
+    EXPECT_TRUE(whole.ok()) << whole.status();
+    if (whole.ok()) {
+      for (const auto& [name, t] : *whole) {
+        if (want.count(name)) worst = std::max(worst, RelDiff(t, want[name]));
+      }
+    }
     const int T = static_cast<int>(run.shards[s].size());
     for (const ParameterInfo& pi : run.pipe.plan.stages(s).parameters()) {
       if (pi.is_buffer()) continue;

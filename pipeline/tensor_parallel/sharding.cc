@@ -329,6 +329,45 @@ at::Tensor ShardOf(const at::Tensor& full, int dim, int rank, int size) {
   return full.detach().chunk(size, dim)[rank].contiguous().clone();
 }
 
+absl::StatusOr<std::map<std::string, at::Tensor>> GatherShards(const StagePlan& sp, const std::vector<Module>& shards) {
+  const int T = static_cast<int>(shards.size());
+  std::vector<std::map<std::string, at::Tensor>> held(T);
+  for (int r = 0; r < T; ++r) {
+    for (const auto& p : shards[r].named_parameters(true)) held[r][p.name] = p.value;
+    for (const auto& b : shards[r].named_buffers(true)) held[r][b.name] = b.value;
+  }
+  std::map<std::string, at::Tensor> out;
+  torch::NoGradGuard no_grad;
+  for (const ParameterInfo& pi : sp.parameters()) {
+    std::vector<at::Tensor> parts;
+    for (int r = 0; r < T; ++r) {
+      auto it = held[r].find(pi.name());
+      if (it == held[r].end() || !it->second.defined()) {
+        return absl::DataLossError(absl::StrCat("stage ", sp.index(), " shard ", r, " has no tensor ", pi.name()));
+      }
+      std::vector<int64_t> want(pi.shape().begin(), pi.shape().end());
+      if (pi.has_tp_dim()) want[static_cast<size_t>(pi.tp_dim())] /= T;
+      if (it->second.sizes().vec() != want) {
+        return absl::DataLossError(absl::StrCat("stage ", sp.index(), " shard ", r, "'s ", pi.name(), " has shape ",
+                                                c10::str(it->second.sizes()), ", not ", c10::str(want)));
+      }
+      parts.push_back(it->second.detach());
+    }
+    if (pi.has_tp_dim()) {
+      out[pi.name()] = at::cat(parts, pi.tp_dim());
+      continue;
+    }
+    for (int r = 1; r < T; ++r) {
+      if (!at::equal(parts[r], parts[0])) {
+        return absl::DataLossError(absl::StrCat("stage ", sp.index(), ": replicated ", pi.name(),
+                                                " differs between tensor-parallel ranks 0 and ", r));
+      }
+    }
+    out[pi.name()] = parts[0];
+  }
+  return out;
+}
+
 absl::StatusOr<std::vector<std::vector<Module>>> ShardPipe(partition::Pipe* pipe, const ShardOptions& options) {
   PIPPY_RETURN_IF_ERROR(CheckSpec(options.spec));
   const int T = options.spec.size();

@@ -32,6 +32,8 @@
 #ifndef PIPPY_PIPELINE_TENSOR_PARALLEL_SHARDING_H_
 #define PIPPY_PIPELINE_TENSOR_PARALLEL_SHARDING_H_
 
+#include <map>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -52,6 +54,15 @@ struct ShardOptions {
 // Errors: INVALID_ARGUMENT naming the pattern, module or op and what to change.
 absl::StatusOr<std::vector<std::vector<torch::jit::Module>>> ShardPipe(partition::Pipe* pipe,
                                                                         const ShardOptions& options);
+
+// The whole parameters and buffers of stage `sp` from its T trained shards (`shards[r]`:
+// rank r's module): sharded tensors concatenated along their tp_dim, replicated ones
+// taken from rank 0 after checking every rank holds the same bits. What fetch and
+// checkpoints write back into the unsplit model.
+// Errors: DATA_LOSS naming a tensor a shard lacks, whose shard has the wrong shape, or
+// (replicated) that differs between ranks.
+absl::StatusOr<std::map<std::string, at::Tensor>> GatherShards(const StagePlan& sp,
+                                                              const std::vector<torch::jit::Module>& shards);
 
 // Shard `rank` of `full` (the whole tensor) as the plan's tp_dim says (a contiguous copy).
 at::Tensor ShardOf(const at::Tensor& full, int dim, int rank, int size);

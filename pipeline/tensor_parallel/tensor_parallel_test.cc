@@ -203,6 +203,19 @@ TEST_F(ShardingTest, Llama_TwoStagesTwoRanks_ShardsGiveTheUnsplitValuesAndGradie
     }
     std::cout << "[ figure   ] llama P=2 x T=" << T << ": " << compared
               << " shard gradients vs the unsplit model's, worst max relative difference " << worst << "\n";
+    // Gathered back, the untrained shards are the unsplit stages' tensors bitwise.
+    for (int s = 0; s < 2; ++s) {
+      auto whole = GatherShards(pipe_.plan.stages(s), (*shards)[s]);
+      ASSERT_TRUE(whole.ok()) << whole.status();
+      for (const auto& p : pipe_.stages[s].named_parameters(true)) EXPECT_TRUE(at::equal(whole->at(p.name), p.value)) << p.name;
+    }
+    {
+      torch::NoGradGuard no_grad;
+      (*shards)[1][T - 1].attr("norm").toModule().attr("weight").toTensor().add_(1e-3);
+    }
+    auto broken = GatherShards(pipe_.plan.stages(1), (*shards)[1]);
+    EXPECT_EQ(broken.status().code(), absl::StatusCode::kDataLoss);
+    EXPECT_THAT(broken.status().message(), HasSubstr("replicated norm.weight differs between tensor-parallel ranks 0"));
     for (auto& s : pipe_.stages) {
       for (at::Tensor p : s.parameters()) p.mutable_grad() = at::Tensor();
     }
