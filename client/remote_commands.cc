@@ -33,6 +33,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/grpcpp.h"
 #include "pipeline/job/job_spec.h"
+#include "pipeline/tensor_parallel/tp_plan.h"
 #include "proto/coordinator.grpc.pb.h"
 #include "proto/health.grpc.pb.h"
 #include "proto/job_state.h"
@@ -270,16 +271,25 @@ void PrintJob(const Job& j) {
               << "  " << ev.message() << "\n";
   }
   const int replicas = std::max(1, j.spec().replicas());
-  if (replicas > 1 && j.workers_size() > 0) {
-    // The replica x stage grid: which worker holds each stage of each replica.
-    const int per_replica = j.workers_size() / replicas;
-    for (int r = 0; r < replicas; ++r) {
+  const int tp = std::max(1, j.spec().tensor_parallel().size());
+  if (tp > 1) {
+    std::cout << "  tensor parallel: " << tp << " ranks per stage (" << tp::PlanText(j.spec().tensor_parallel())
+              << ")\n";
+  }
+  if ((replicas > 1 || tp > 1) && j.workers_size() > 0) {
+    // The (replica, shard) x stage grid: which worker holds each stage of each copy; a
+    // stage's tensor-parallel group is its column within one replica.
+    const int copies = replicas * tp;
+    const int per_copy = j.workers_size() / copies;
+    for (int c = 0; c < copies; ++c) {
       std::vector<std::string> cells;
       for (int st = 0; st < j.stage_ranks_size(); ++st) {
-        const int g = r * per_replica + j.stage_ranks(st);
+        const int g = c * per_copy + j.stage_ranks(st);
         cells.push_back(absl::StrCat("stage ", st, ": ", g < j.workers_size() ? j.workers(g) : "?"));
       }
-      std::cout << "  replica " << r << ": " << absl::StrJoin(cells, ", ") << "\n";
+      std::cout << "  " << (replicas > 1 ? absl::StrCat("replica ", c / tp) : "")
+                << (replicas > 1 && tp > 1 ? " " : "") << (tp > 1 ? absl::StrCat("shard ", c % tp) : "") << ": "
+                << absl::StrJoin(cells, ", ") << "\n";
     }
   }
   for (const StepBreakdown& b : j.breakdown()) {
@@ -293,7 +303,10 @@ void PrintJob(const Job& j) {
     std::cout << absl::StrFormat(
         "  rank %d%s, last step %.3f s: compute %.3f, waiting for peers %.3f, transport %.3f, optimizer %.3f, "
         "other %.3f%s%s\n",
-        b.rank(), replicas > 1 ? absl::StrCat(" (replica ", b.replica(), ")") : "", b.step_seconds(),
+        b.rank(),
+        absl::StrCat(replicas > 1 ? absl::StrCat(" (replica ", b.replica(), ")") : "",
+                     tp > 1 ? absl::StrCat(" (shard ", b.tp_rank(), ")") : ""),
+        b.step_seconds(),
         b.compute_seconds(), b.wait_seconds(), b.transport_seconds(), b.optimizer_seconds(), b.other_seconds(),
         b.allreduce_seconds() > 0
             ? absl::StrFormat("; replica all-reduce %.3f, %.0f%% overlapped", b.allreduce_seconds(),
@@ -408,6 +421,8 @@ struct SplitFlags {
   int stages = 0;
   std::vector<std::string> split_at;
   std::string balance = "params";
+  int tensor_parallel = 1;
+  std::string tp_plan;
 };
 
 void AddSplitFlags(CLI::App* cmd, SplitFlags* f) {
@@ -416,6 +431,14 @@ void AddSplitFlags(CLI::App* cmd, SplitFlags* f) {
       ->delimiter(',');
   cli::AddNameOption<Balance>(cmd, "--balance", &f->balance, "balance", "what an automatic split equalises")
       ->capture_default_str();
+  cmd->add_option("--tensor-parallel", f->tensor_parallel,
+                  "tensor parallelism: every stage computed by T ranks (T x the workers), its Linears and Embeddings "
+                  "sharded as --tp-plan says (all-reduces over gloo); checked against the unsplit stages on the "
+                  "example batch before the job runs")
+      ->check(cli::Positive())->capture_default_str();
+  cmd->add_option("--tp-plan", f->tp_plan,
+                  "PATTERN=STYLE,... with STYLE colwise | rowwise (nn.Linear) | vocab (nn.Embedding), patterns "
+                  "matching module paths atom by atom: layers.*.attn.q=colwise,...,layers.*.attn.o=rowwise");
 }
 
 absl::Status SetSplit(const SplitFlags& f, JobSpec* spec) {
@@ -424,6 +447,11 @@ absl::Status SetSplit(const SplitFlags& f, JobSpec* spec) {
   auto balance = job::ParseBalance(f.balance);
   if (!balance.ok()) return balance.status();
   spec->mutable_split()->set_balance(*balance);
+  if (f.tensor_parallel > 1 || !f.tp_plan.empty()) {
+    absl::StatusOr<TensorParallelSpec> tp = tp::ParsePlan(f.tp_plan, f.tensor_parallel);
+    if (!tp.ok()) return tp.status();
+    *spec->mutable_tensor_parallel() = *tp;
+  }
   return absl::OkStatus();
 }
 

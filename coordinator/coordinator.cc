@@ -184,15 +184,18 @@ absl::Status Coordinator::CheckUserQueue(const std::string& user) {
 absl::Status Coordinator::Admit(const PreparedJob& prepared) {
   const int registered = workers_->size();
   const int replicas = std::max(1, prepared.spec.replicas());
-  const int need = prepared.layout.ranks_size() * replicas;
+  const int tp = std::max(1, prepared.spec.tensor_parallel().size());
+  const int need = prepared.layout.ranks_size() * replicas * tp;
   // No workers yet: a cluster starting up; the job waits. Some, but too few: refuse.
   if (registered > 0 && need > registered) {
     return absl::InvalidArgumentError(absl::StrCat(
         "split: the job needs ", need, " workers (", prepared.plan.stages_size(), " stages, ",
         prepared.spec.schedule().stages_per_worker(), " per worker",
-        replicas > 1 ? absl::StrCat(", ", replicas, " replicas") : "", ") but only ", registered,
+        replicas > 1 ? absl::StrCat(", ", replicas, " replicas") : "",
+        tp > 1 ? absl::StrCat(", ", tp, " tensor-parallel ranks per stage") : "", ") but only ", registered,
         registered == 1 ? " is" : " are", " registered; use fewer stages, more stages per worker (an interleaved "
-        "schedule)", replicas > 1 ? ", fewer replicas" : "", " or start more workers"));
+        "schedule)", replicas > 1 ? ", fewer replicas" : "", tp > 1 ? ", a smaller --tensor-parallel" : "",
+        " or start more workers"));
   }
   // GPU workers only: a rank whose stages fit none of them can never be placed.
   const WorkerRegistry::Capacity capacity = workers_->capacity();
@@ -215,7 +218,7 @@ absl::Status Coordinator::Admit(const PreparedJob& prepared) {
 static std::vector<std::string> NoticesFor(const PreparedJob& p, int registered) {
   std::vector<std::string> notices;
   const int per_worker = p.spec.schedule().stages_per_worker();
-  const int replicas = std::max(1, p.spec.replicas());
+  const int replicas = std::max(1, p.spec.replicas()) * std::max(1, p.spec.tensor_parallel().size());
   const int used = p.layout.ranks_size() * replicas;
   if (per_worker > 1 && used < registered) {
     notices.push_back(absl::StrCat(
@@ -405,8 +408,10 @@ std::vector<RankSend> Coordinator::PlaceOnIdleWorkers(JobRun& run, NoFit* no_fit
   std::vector<RankSend> sends = run.Place(placed);
   for (size_t g = 0; g < chosen.size(); ++g) {
     const int rank = static_cast<int>(g) % run.ranks_per_replica();
-    workers_->Assign(*workers_->Find(chosen[g]), run.id(), run.attempt(), rank,
-                     static_cast<int>(g) / run.ranks_per_replica(), run.StagesOfRank(rank));
+    const int copy = static_cast<int>(g) / run.ranks_per_replica();
+    WorkerRegistry::Worker& w = *workers_->Find(chosen[g]);
+    workers_->Assign(w, run.id(), run.attempt(), rank, copy / run.tensor_parallel(), run.StagesOfRank(rank));
+    w.info.set_tp_rank(copy % run.tensor_parallel());
   }
   return sends;
 }
@@ -566,9 +571,9 @@ void Coordinator::OnWorkerMessage(const std::string& worker_id, const WorkerMess
   // Results and checkpoints go to disk as they come, outside the lock.
   if (m.has_stage_result()) {
     const StageResult& r = m.stage_result();
-    OnResultChunk(r.job_id(), r.attempt(), r.stage(), r.chunk(), r.last_chunk());
+    OnResultChunk(r.job_id(), r.attempt(), r.stage(), r.chunk(), r.last_chunk(), r.tp_rank());
   } else if (m.has_output()) {
-    OnResultChunk(m.output().job_id(), m.output().attempt(), -1, m.output().chunk(), m.output().last_chunk());
+    OnResultChunk(m.output().job_id(), m.output().attempt(), -1, m.output().chunk(), m.output().last_chunk(), 0);
   } else if (m.has_checkpoint()) {
     OnCheckpointChunk(m.checkpoint());
   } else if (m.has_serve_result()) {
@@ -629,11 +634,15 @@ void Coordinator::OnServeResult(const std::string& worker_id, const ServeResult&
 }
 
 void Coordinator::OnResultChunk(const std::string& job_id, int attempt, int stage, const std::string& chunk,
-                                bool last) {
+                                bool last, int tp_rank) {
   {
     absl::MutexLock lock(&mu_);
     JobRun* run = Find(job_id);
     if (run == nullptr || run->attempt() != attempt || run->ended()) return;
+    if (stage >= 0) {
+      if (tp_rank < 0 || tp_rank >= run->tensor_parallel() || stage >= run->job().plan().stages_size()) return;
+      stage = run->FileKey(stage, tp_rank);
+    }
   }
   absl::Status s = artifacts_->AppendResult(job_id, stage, chunk, last);
   if (s.ok()) return;
@@ -648,13 +657,15 @@ void Coordinator::OnResultChunk(const std::string& job_id, int attempt, int stag
 
 void Coordinator::OnCheckpointChunk(const CheckpointChunk& c) {
   std::optional<int> global;
+  int key = -1;  // the stage's file (a shard's, with tensor parallelism); -1: the rank's state
   {
     absl::MutexLock lock(&mu_);
     JobRun* run = Find(c.job_id());
     if (run != nullptr) global = run->CheckpointRank(c);
+    if (global.has_value() && c.stage() >= 0) key = run->FileKey(c.stage(), c.tp_rank());
   }
   if (!global.has_value()) return;
-  absl::StatusOr<bool> done = artifacts_->AppendCheckpoint(c.job_id(), c.step(), *global, c.stage(), c.chunk(),
+  absl::StatusOr<bool> done = artifacts_->AppendCheckpoint(c.job_id(), c.step(), *global, key, c.chunk(),
                                                            c.last_chunk());
   if (!done.ok() || !*done) {
     // A checkpoint that cannot be written is not fatal: the job keeps its last one.
@@ -670,11 +681,13 @@ void Coordinator::Assemble(const std::string& job_id) {
   const auto start = absl::Now();
   bool inference = false;
   int stages = 0;
+  PipelinePlan plan;
   {
     absl::MutexLock lock(&mu_);
     const JobRun& run = *jobs_.at(job_id);
     inference = run.job().spec().mode() == MODE_INFERENCE;
-    stages = run.job().plan().stages_size();
+    stages = run.stage_files();
+    plan = run.job().plan();
   }
   absl::StatusOr<std::string> assembled = absl::UnavailableError("the coordinator is stopping");
   // Merging trained stages loads the submitted model (in a child): the one slot.
@@ -684,6 +697,7 @@ void Coordinator::Assemble(const std::string& job_id) {
     merge.merger = options_.child_binary;
     merge.timeout = options_.prepare_timeout;
     merge.cancelled = [this] { return stopping_.load(); };
+    merge.plan = plan;
     assembled = AssembleResult(*artifacts_, job_id, inference, stages, merge);
     if (!inference) ReleaseModelSlot();
   }

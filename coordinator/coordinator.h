@@ -227,7 +227,9 @@ class Coordinator {
   void OnRankMessage(WorkerRegistry::Worker& w, const WorkerMessage& m, Outbox* out, std::string* assemble)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void OnCheckpointChunk(const CheckpointChunk& chunk);
-  void OnResultChunk(const std::string& job_id, int attempt, int stage, const std::string& chunk, bool last);
+  // `stage`: -1 for an inference job's outputs; `tp_rank`: the shard it is of.
+  void OnResultChunk(const std::string& job_id, int attempt, int stage, const std::string& chunk, bool last,
+                     int tp_rank);
   void OnServeResult(const std::string& worker_id, const ServeResult& result);
   // Sends a placed rank its files (rank_sender.h); an error other than the attempt ending
   // or the worker going fails the attempt.

@@ -162,6 +162,7 @@ absl::StatusOr<std::string> Coordinator::ResultPath(const std::string& job_id) {
 absl::StatusOr<std::string> Coordinator::CheckpointPath(const std::string& job_id, const std::string& user) {
   int step = 0, stages = 0;
   std::string staged;
+  PipelinePlan plan;
   {
     absl::MutexLock lock(&mu_);
     JobRun* run = Find(job_id);
@@ -175,7 +176,8 @@ absl::StatusOr<std::string> Coordinator::CheckpointPath(const std::string& job_i
       return absl::FailedPreconditionError(absl::StrCat("job ", job_id, " is not a training job: it has no checkpoints"));
     }
     step = job.checkpoint_step();
-    stages = job.plan().stages_size();
+    stages = job.plan().stages_size() * std::max(1, job.plan().tensor_parallel().size());
+    plan = job.plan();
     if (step <= 0) {
       return absl::FailedPreconditionError(absl::StrCat(
           "job ", job_id, " has no checkpoint ", run->ended() ? "" : "yet ", "(", JobState_Name(job.state()), ", step ",
@@ -193,6 +195,7 @@ absl::StatusOr<std::string> Coordinator::CheckpointPath(const std::string& job_i
   merge.merger = options_.child_binary;
   merge.timeout = options_.prepare_timeout;
   merge.cancelled = [this] { return stopping_.load(); };
+  merge.plan = plan;
   const auto start = absl::Now();
   absl::StatusOr<std::string> assembled = MergeStagesIn(staged, stages, merge);
   ReleaseModelSlot();

@@ -15,6 +15,7 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "coordinator/child_process.h"
+#include "pipeline/tensor_parallel/sharding.h"
 #include "common/torch_status.h"
 #include "coordinator/artifact_store.h"
 #include "pipeline/job/layout.h"
@@ -428,12 +429,24 @@ absl::StatusOr<PreparedJob> PrepareWhole(const JobSpec& submitted, const std::st
   so.example_inputs = example;
   absl::StatusOr<partition::Pipe> pipe = partition::SplitModel(model, so);
   if (!pipe.ok()) return Field("split", pipe.status());
+  // Tensor parallelism: the stage files are each stage's shards, stage_<s * T + t>.pt,
+  // checked against the unsplit stages on the example micro-batch first.
+  std::vector<torch::jit::Module> files = pipe->stages;
+  if (spec.tensor_parallel().size() > 1) {
+    tp::ShardOptions sharding;
+    sharding.spec = spec.tensor_parallel();
+    sharding.example_inputs = example;
+    absl::StatusOr<std::vector<std::vector<torch::jit::Module>>> shards = tp::ShardPipe(&*pipe, sharding);
+    if (!shards.ok()) return Field("split", shards.status());
+    files.clear();
+    for (const auto& stage : *shards) files.insert(files.end(), stage.begin(), stage.end());
+  }
   out.plan = pipe->plan;
   PIPPY_ASSIGN_OR_RETURN(out.layout, job::MakeLayout(spec, out.plan));
   SetLayoutData(d, &*pipe, &out.layout);
   const absl::Time split_at = absl::Now();
   phase("write");
-  PIPPY_ASSIGN_OR_RETURN(out.stage_bytes, WriteStageFiles(pipe->stages, dir));
+  PIPPY_ASSIGN_OR_RETURN(out.stage_bytes, WriteStageFiles(files, dir));
   PIPPY_ASSIGN_OR_RETURN(out.share_bytes, WriteShares(spec, out.layout, d.data, dir));
   log::Info("prepared a submission in {}: model loaded in {}, data checked in {}, split into {} stages in {}, stage "
             "files and {} data shares written in {}",
@@ -451,7 +464,8 @@ absl::StatusOr<PreparedJob> PrepareHere(const JobSpec& spec, const std::string& 
   torch::jit::setGraphExecutorOptimize(false);
   phase("load");
   const Balance balance = spec.split().balance();
-  if (!whole && (balance == BALANCE_UNSPECIFIED || balance == BALANCE_PARAMS)) {
+  // Tensor parallelism shards whole stages (and checks them on the example): the whole model.
+  if (!whole && (balance == BALANCE_UNSPECIFIED || balance == BALANCE_PARAMS) && spec.tensor_parallel().size() <= 1) {
     absl::StatusOr<std::unique_ptr<torchio::ModelRecords>> records =
         torchio::ModelRecords::Open(dir + "/model.pt", "model");
     if (absl::IsInvalidArgument(records.status())) return Bad("model", records.status().message());

@@ -101,7 +101,7 @@ std::unique_ptr<JobRun> JobRun::Restore(Stores stores, const Job& record, absl::
   for (int r = 0; r < run->ranks_per_replica(); ++r) {
     run->share_bytes_.push_back(std::max<int64_t>(0, ArtifactStore::FileSize(files.SharePath(id, r))));
   }
-  const int stages = record.plan().stages_size();
+  const int stages = run->stage_files();
   bool stage_files = run->ranks() > 0;
   for (int st = 0; stage_files && st < stages; ++st) stage_files = ArtifactStore::FileSize(files.StagePath(id, st)) > 0;
   const int ckpt = record.checkpoint_step();
@@ -227,7 +227,8 @@ StageWriter JobRun::StagesFromFiles(size_t chunk_bytes) const {
 }
 
 CoordinatorMessage JobRun::AssignmentFor(int global) const {
-  const int rank = global % ranks_per_replica(), replica = global / ranks_per_replica();
+  const int rank = global % ranks_per_replica(), copy = global / ranks_per_replica();
+  const int replica = copy / tensor_parallel(), tp_rank = copy % tensor_parallel();
   const RankLayout& piece = layout_.ranks(rank);
   CoordinatorMessage m;
   Assignment* as = m.mutable_assignment();
@@ -235,6 +236,7 @@ CoordinatorMessage JobRun::AssignmentFor(int global) const {
   *as->mutable_spec() = job_.spec();
   as->set_rank(rank);
   as->set_replica(replica);
+  as->set_tp_rank(tp_rank);
   *as->mutable_layout() = piece;
   *as->mutable_plan() = job::PlanSlice(job_.plan(), piece, rank);
   const int from = job_.checkpoint_step();
@@ -242,10 +244,11 @@ CoordinatorMessage JobRun::AssignmentFor(int global) const {
     Assignment::StageFile* f = as->add_stages();
     f->set_stage(s);
     // Known when the stage comes from a file; else the worker learns it as it comes.
+    const int key = FileKey(s, tp_rank);
     if (from > 0) {
-      f->set_bytes(std::max<int64_t>(0, ArtifactStore::FileSize(stores_.artifacts->CheckpointStagePath(id(), from, s))));
-    } else if (s < job_.stage_file_bytes_size()) {
-      f->set_bytes(job_.stage_file_bytes(s));
+      f->set_bytes(std::max<int64_t>(0, ArtifactStore::FileSize(stores_.artifacts->CheckpointStagePath(id(), from, key))));
+    } else if (key < job_.stage_file_bytes_size()) {
+      f->set_bytes(job_.stage_file_bytes(key));
     }
   }
   as->set_data_bytes(share_bytes_[static_cast<size_t>(rank)]);
@@ -276,6 +279,8 @@ std::vector<RankSend> JobRun::Place(const std::vector<PlacedWorker>& workers) {
     send.channel = workers[g].channel;
     send.assignment = AssignmentFor(global);
     send.stages = StagesOfRank(rank);
+    const int tp_rank = (global / ranks_per_replica()) % tensor_parallel();
+    for (int s : send.stages) send.stage_files.push_back(FileKey(s, tp_rank));
     send.share_file = stores_.artifacts->SharePath(id(), rank);
     if (from > 0) send.state_file = stores_.artifacts->CheckpointStatePath(id(), from, global);
     if (job_.spec().data().dataset().uploaded()) {
@@ -306,20 +311,28 @@ bool JobRun::IsCurrent(int attempt) const {
 }
 
 void JobRun::OnAddress(const RankAddress& a, Outbox* out) {
-  const int P = std::max(1, ranks_per_replica());
-  const int global = a.replica() * P + a.rank();
+  const int P = std::max(1, ranks_per_replica()), T = tensor_parallel();
+  const int global = GlobalRank(a.replica(), a.tp_rank(), a.rank());
   addresses_[global] = a.ucx_address();
   gloo_addresses_[global] = a.gloo_address();
+  tp_gloo_addresses_[global] = a.tp_gloo_address();
   if (static_cast<int>(addresses_.size()) != ranks()) return;
-  // Each rank gets its replica's UCX addresses and its replica group's.
+  // Each rank gets its pipeline's UCX addresses (its replica's, its shard's), its replica
+  // group's (the same rank and shard in every replica) and its tensor-parallel group's
+  // (the same rank and replica in every shard).
   for (int g = 0; g < ranks() && g < static_cast<int>(channels_.size()); ++g) {
-    const int replica = g / P, rank = g % P;
+    const int copy = g / P, rank = g % P, replica = copy / T, tp_rank = copy % T;
     CoordinatorMessage p;
     p.mutable_peers()->set_job_id(id());
     p.mutable_peers()->set_attempt(attempt());
-    for (int k = 0; k < P; ++k) p.mutable_peers()->add_ucx_addresses(addresses_[replica * P + k]);
-    if (ranks() > P) {
-      for (int k = 0; k * P < ranks(); ++k) p.mutable_peers()->add_gloo_addresses(gloo_addresses_[k * P + rank]);
+    for (int k = 0; k < P; ++k) p.mutable_peers()->add_ucx_addresses(addresses_[copy * P + k]);
+    if (layout_.replicas() > 1) {
+      for (int k = 0; k < layout_.replicas(); ++k) {
+        p.mutable_peers()->add_gloo_addresses(gloo_addresses_[GlobalRank(k, tp_rank, rank)]);
+      }
+    }
+    if (T > 1) {
+      for (int t = 0; t < T; ++t) p.mutable_peers()->add_tp_gloo_addresses(tp_gloo_addresses_[GlobalRank(replica, t, rank)]);
     }
     out->emplace_back(channels_[static_cast<size_t>(g)], p);
   }
@@ -337,8 +350,9 @@ void JobRun::StartServing() {
   const int attempt = job_.attempt();
   std::vector<std::shared_ptr<WorkerChannel>> channels = channels_;
   const int64_t max_output = serving_->MessageBudget();
+  const size_t P = static_cast<size_t>(std::max(1, ranks_per_replica()));  // channels: T copies with tensor parallelism
   serving_->Start(attempt, std::move(needs),
-                  [job_id, attempt, channels, max_output](int64_t step, const std::vector<std::string>& inputs,
+                  [job_id, attempt, channels, max_output, P](int64_t step, const std::vector<std::string>& inputs,
                                                           int64_t rows) {
                     bool ok = true;
                     for (size_t r = 0; r < channels.size(); ++r) {
@@ -349,7 +363,7 @@ void JobRun::StartServing() {
                       b->set_step(step);
                       b->set_rows(rows);
                       b->set_max_output_bytes(max_output);
-                      if (r < inputs.size()) b->set_inputs(inputs[r]);
+                      if (r % P < inputs.size()) b->set_inputs(inputs[r % P]);
                       ok = channels[r]->Send(m) && ok;
                     }
                     return ok;
@@ -359,7 +373,7 @@ void JobRun::StartServing() {
 std::optional<CompletedStep> JobRun::OnStepReport(const StepReport& report) {
   const int P = std::max(1, ranks_per_replica());
   auto& reports = reports_[report.step()];
-  reports[report.replica() * P + report.rank()] = report;  // a repeated report replaces the earlier one
+  reports[GlobalRank(report.replica(), report.tp_rank(), report.rank())] = report;  // a repeat replaces the earlier one
   if (static_cast<int>(reports.size()) != ranks()) return std::nullopt;
   CompletedStep done;
   done.samples = job_.spec().batch_size();
@@ -372,7 +386,7 @@ std::optional<CompletedStep> JobRun::OnStepReport(const StepReport& report) {
     busy += r.busy_seconds();
     done.seconds = std::max(done.seconds, r.step_seconds());
     if (r.has_loss()) {
-      loss += r.loss();  // each replica's mean over its slice; the step's is their mean
+      loss += r.loss();  // each replica's mean over its slice (its shards' alike); the step's is their mean
       ++losses;
     }
     if (r.has_eval_loss()) {  // each replica's last stage, on its slice: the mean of theirs
@@ -382,7 +396,8 @@ std::optional<CompletedStep> JobRun::OnStepReport(const StepReport& report) {
     StepBreakdown* b = job_.add_breakdown();
     *b = r.breakdown();
     b->set_rank(rank);
-    b->set_replica(rank / P);
+    b->set_replica(rank / P / tensor_parallel());
+    b->set_tp_rank(rank / P % tensor_parallel());
     b->set_step_seconds(r.step_seconds());
     while (job_.peak_memory_bytes_size() <= rank) job_.add_peak_memory_bytes(0);
     job_.set_peak_memory_bytes(rank, std::max(job_.peak_memory_bytes(rank), r.breakdown().peak_memory_bytes()));
@@ -414,7 +429,8 @@ std::optional<CompletedStep> JobRun::OnStepReport(const StepReport& report) {
 JobRun::RankOutcome JobRun::OnRankFinished(const RankFinished& f, const std::string& worker_name) {
   const int P = std::max(1, ranks_per_replica());
   const auto code = static_cast<absl::StatusCode>(f.code());
-  const std::string what = absl::StrCat("rank ", f.rank(), ranks() > P ? absl::StrCat(" of replica ", f.replica()) : "",
+  const std::string what = absl::StrCat("rank ", f.rank(), layout_.replicas() > 1 ? absl::StrCat(" of replica ", f.replica()) : "",
+                                        tensor_parallel() > 1 ? absl::StrCat(" (shard ", f.tp_rank(), ")") : "",
                                         " on worker ", worker_name, ": ", f.error());
   // A peer gone or silent: the job restarts (the lost worker, if it is lost, is
   // removed when its stream breaks or its heartbeats stop).
@@ -422,7 +438,7 @@ JobRun::RankOutcome JobRun::OnRankFinished(const RankFinished& f, const std::str
     return {RankOutcome::kRecover, what};
   }
   if (!f.ok()) return {RankOutcome::kFail, what};
-  finished_.insert(f.replica() * P + f.rank());
+  finished_.insert(GlobalRank(f.replica(), f.tp_rank(), f.rank()));
   if (static_cast<int>(finished_.size()) < ranks() || assembling_) return {};
   assembling_ = true;
   return {RankOutcome::kAssemble, ""};
@@ -435,8 +451,9 @@ std::optional<int> JobRun::CheckpointRank(const CheckpointChunk& c) const {
   // Stages come from replica 0 (the replicas hold the same parameters); every rank's
   // training state (its own random generator) is kept.
   const int P = ranks_per_replica();
-  const int global = c.replica() * P + c.rank();
-  if (c.rank() < 0 || c.rank() >= P || c.replica() < 0 || global >= ranks() || c.stage() < -1 ||
+  const int global = GlobalRank(c.replica(), c.tp_rank(), c.rank());
+  if (c.rank() < 0 || c.rank() >= P || c.replica() < 0 || c.tp_rank() < 0 || c.tp_rank() >= tensor_parallel() ||
+      global >= ranks() || c.stage() < -1 ||
       c.stage() >= job_.plan().stages_size() || c.step() <= 0 || (c.stage() >= 0 && c.replica() != 0) ||
       c.step() > job_.spec().steps() || (c.step() == job_.spec().steps() && c.stage() >= 0)) {
     // (After the last step only the ranks' states come: the results are the stages.)
@@ -449,8 +466,8 @@ std::optional<int> JobRun::CheckpointRank(const CheckpointChunk& c) const {
 bool JobRun::OnCheckpointPiece(const CheckpointChunk& c, int global) {
   if (!IsCurrent(c.attempt())) return false;
   auto& pieces = checkpoint_pieces_[c.step()];
-  pieces.insert({c.stage() >= 0 ? 0 : global, c.stage()});
-  const int stages = job_.plan().stages_size();
+  pieces.insert({c.stage() >= 0 ? 0 : global, c.stage() >= 0 ? FileKey(c.stage(), c.tp_rank()) : -1});
+  const int stages = stage_files();
   if (c.step() == job_.spec().steps()) {
     // The state after the last step: committed with the results (CommitFinalCheckpoint).
     final_states_ready_ = static_cast<int>(pieces.size()) == ranks();
@@ -481,7 +498,7 @@ bool JobRun::OnCheckpointPiece(const CheckpointChunk& c, int global) {
 absl::Status JobRun::CommitFinalCheckpoint() {
   const int last = job_.spec().steps();
   if (!final_states_ready_ || job_.checkpoint_step() >= last) return absl::OkStatus();
-  PIPPY_RETURN_IF_ERROR(stores_.artifacts->CheckpointFromResults(id(), last, job_.plan().stages_size()));
+  PIPPY_RETURN_IF_ERROR(stores_.artifacts->CheckpointFromResults(id(), last, stage_files()));
   job_.set_checkpoint_step(last);
   checkpoint_time_ = absl::Now();
   Touch();

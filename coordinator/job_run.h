@@ -90,7 +90,17 @@ class JobRun {
   int64_t version() const { return version_; }
   const JobLayout& layout() const { return layout_; }
   int ranks_per_replica() const { return layout_.ranks_size(); }
-  int ranks() const { return ranks_per_replica() * layout_.replicas(); }  // every replica's
+  // Tensor parallelism: T shards of every stage, each run by its own copy of the ranks.
+  int tensor_parallel() const { return std::max(1, layout_.tensor_parallel()); }
+  // Every replica's ranks, every shard's: indexed GlobalRank(replica, shard, rank).
+  int ranks() const { return ranks_per_replica() * layout_.replicas() * tensor_parallel(); }
+  int GlobalRank(int replica, int tp_rank, int rank) const {
+    return (replica * tensor_parallel() + tp_rank) * ranks_per_replica() + rank;
+  }
+  // The job's stage files (stage_<k>.pt, result_<k>.pt, a checkpoint's): one per stage,
+  // or with tensor parallelism one per stage and shard, k = stage * T + shard.
+  int FileKey(int stage, int tp_rank) const { return stage * tensor_parallel() + tp_rank; }
+  int stage_files() const { return job_.plan().stages_size() * tensor_parallel(); }
   // Device memory each rank needs (by global rank), for placement.
   const std::vector<int64_t>& RankMemory() const { return rank_memory_; }
   std::vector<int> StagesOfRank(int rank) const;  // rank within a replica
@@ -102,6 +112,7 @@ class JobRun {
   // Whether Place can read its stages: a checkpoint's, or the original files.
   bool StagesOnDisk() const { return stage_files_ready_ || job_.checkpoint_step() > 0; }
   // Reads the stages a placement sends: the last checkpoint's, or the original files.
+  // The writer takes a file key (FileKey).
   StageWriter StagesFromFiles(size_t chunk_bytes) const;
 
   // ---- placement ----
@@ -191,6 +202,7 @@ class JobRun {
   std::vector<std::shared_ptr<WorkerChannel>> channels_;  // by global rank
   std::map<int, std::string> addresses_;               // global rank -> UCX address
   std::map<int, std::string> gloo_addresses_;          // global rank -> replica-group address
+  std::map<int, std::string> tp_gloo_addresses_;       // global rank -> tensor-parallel group address
   std::map<int, std::map<int, StepReport>> reports_;   // step -> global rank -> report, until complete
   std::set<int> finished_;                             // global ranks that finished ok
   bool assembling_ = false;

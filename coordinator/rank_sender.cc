@@ -42,14 +42,16 @@ absl::Status SendRank(const RankSend& send, const StageWriter& writer, size_t ch
   if (!send.channel->Send(send.assignment)) return absl::UnavailableError("the worker's stream closed");
   const auto start = absl::Now();
   int64_t sent = 0;
-  for (int stage : send.stages) {
+  for (size_t i = 0; i < send.stages.size(); ++i) {
+    const int stage = send.stages[i];
+    const int key = i < send.stage_files.size() ? send.stage_files[i] : stage;
     absl::StatusOr<int64_t> bytes = Stream(
         send, chunk_bytes,
         [stage](CoordinatorMessage* m) {
           m->mutable_stage()->set_stage(stage);
           return m->mutable_stage();
         },
-        [&](const Sink& sink) { return writer(stage, sink); }, absl::StrCat("stage ", stage, " to rank ", a.rank()));
+        [&](const Sink& sink) { return writer(key, sink); }, absl::StrCat("stage ", stage, " to rank ", a.rank()));
     if (!bytes.ok()) return bytes.status();
     (*stage_bytes)[stage] = *bytes;
     sent += *bytes;

@@ -34,6 +34,7 @@ struct RankSend {
   std::shared_ptr<WorkerChannel> channel;
   CoordinatorMessage assignment;           // its Assignment
   std::vector<int> stages;                 // in the order the assignment lists them
+  std::vector<int> stage_files;            // each one's file key (JobRun::FileKey), what the writer reads
   std::string share_file;                  // its data share (missing: it reads none)
   std::string state_file;                  // a restart's training state (empty: none)
   std::vector<std::string> dataset_files;  // an uploaded dataset's shards, for a rank reading it

@@ -2,12 +2,17 @@
 
 #include <csignal>
 #include <cstring>
+#include <fstream>
 #include <map>
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
 #include "coordinator/child_process.h"
+#include "common/status.h"
+#include "common/torch_status.h"
 #include "pipeline/partition/merge.h"
+#include "pipeline/tensor_parallel/sharding.h"
+#include "pipeline/torchio/model_io.h"
 
 namespace pippy::coordinator {
 namespace {
@@ -16,10 +21,51 @@ namespace {
 std::string ModelIn(const std::string& dir) { return dir + "/model.pt"; }
 std::string ResultIn(const std::string& dir, int stage) { return absl::StrCat(dir, "/result_", stage, ".pt"); }
 std::string AssembledIn(const std::string& dir) { return dir + "/assembled.pt"; }
+std::string PlanIn(const std::string& dir) { return dir + "/tp_plan.pb"; }
+
+// Tensor parallelism: each stage's shards gathered into one stage file with the whole
+// tensors, DIR/gathered_<s>.pt (one stage's shards in memory at a time).
+absl::Status GatherShardsIn(const std::string& dir, const PipelinePlan& plan, std::map<int, std::string>* results) {
+  const int T = plan.tensor_parallel().size();
+  for (const StagePlan& sp : plan.stages()) {
+    const int s = sp.index();
+    std::vector<torch::jit::Module> shards;
+    for (int t = 0; t < T; ++t) {
+      PIPPY_ASSIGN_OR_RETURN(torch::jit::Module m, torchio::LoadModel(ResultIn(dir, s * T + t)));
+      shards.push_back(m);
+    }
+    PIPPY_ASSIGN_OR_RETURN(auto whole, tp::GatherShards(sp, shards));
+    const std::string path = absl::StrCat(dir, "/gathered_", s, ".pt");
+    PIPPY_RETURN_IF_ERROR(TorchCall(absl::StrCat("writing stage ", s, " gathered from its shards"), [&] {
+      torch::jit::Module m = shards[0];
+      for (const auto& [name, tensor] : whole) {
+        torch::jit::Module owner = m;
+        std::string leaf = name;
+        for (auto dot = leaf.find('.'); dot != std::string::npos; dot = leaf.find('.')) {
+          owner = owner.attr(leaf.substr(0, dot)).toModule();
+          leaf = leaf.substr(dot + 1);
+        }
+        owner.setattr(leaf, tensor);
+      }
+      m.save(path);
+    }, absl::StatusCode::kInternal));
+    (*results)[s] = path;
+  }
+  return absl::OkStatus();
+}
 
 absl::Status MergeHere(const std::string& dir, int stages) {
   std::map<int, std::string> results;
-  for (int st = 0; st < stages; ++st) results[st] = ResultIn(dir, st);
+  PipelinePlan plan;
+  if (ArtifactStore::FileSize(PlanIn(dir)) > 0) {
+    std::ifstream in(PlanIn(dir), std::ios::binary);
+    if (!plan.ParseFromIstream(&in)) return absl::DataLossError(absl::StrCat("cannot read ", PlanIn(dir)));
+  }
+  if (plan.tensor_parallel().size() > 1) {
+    PIPPY_RETURN_IF_ERROR(GatherShardsIn(dir, plan, &results));
+  } else {
+    for (int st = 0; st < stages; ++st) results[st] = ResultIn(dir, st);
+  }
   // Record by record where the model's tensors each own their storage; else whole.
   absl::Status merged = partition::MergeStagesByRecords(ModelIn(dir), results, AssembledIn(dir));
   if (!absl::IsUnimplemented(merged)) return merged;
@@ -66,6 +112,12 @@ absl::StatusOr<std::string> AssembleResult(ArtifactStore& files, const std::stri
 }
 
 absl::StatusOr<std::string> MergeStagesIn(const std::string& dir, int stages, const AssembleOptions& options) {
+  if (options.plan.tensor_parallel().size() > 1) {
+    std::ofstream out(PlanIn(dir), std::ios::binary | std::ios::trunc);
+    if (!options.plan.SerializeToOstream(&out) || !out.flush()) {
+      return absl::UnavailableError(absl::StrCat("cannot write ", PlanIn(dir)));
+    }
+  }
   absl::Status merged = options.merger.empty() ? MergeHere(dir, stages) : MergeInChild(dir, stages, options);
   if (!merged.ok()) return merged;
   return AssembledIn(dir);

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "coordinator/artifact_store.h"
+#include "proto/plan.pb.h"
 
 namespace pippy::coordinator {
 
@@ -24,9 +25,13 @@ struct AssembleOptions {
   std::string merger;  // a pippy-coordinator binary; empty: in this process (unit tests only)
   absl::Duration timeout = absl::Minutes(5);
   std::function<bool()> cancelled;  // polled while the child runs: true stops it
+  // The job's plan. With tensor parallelism (plan.tensor_parallel.size T > 1) the stage
+  // files are its shards, result_<s * T + t>.pt: each stage's T shards are gathered into
+  // whole tensors (tp::GatherShards, replicated ones checked alike) before the merge.
+  PipelinePlan plan;
 };
 
-// The path of the assembled result of job `job_id` (with `stages` stages).
+// The path of the assembled result of job `job_id` (with `stages` stage files).
 // Errors: DATA_LOSS when a rank finished without sending all of its results; the
 // merge's errors (INVALID_ARGUMENT for a stage file that does not fit the model, or a
 // child that crashed or ran out of time); UNAVAILABLE when the child cannot be started

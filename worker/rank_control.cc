@@ -24,6 +24,7 @@ void RankControl::SetPeers(const PeerAddresses& p) {
   if (p.job_id() != job_id_ || p.attempt() != attempt_) return;
   peers_.ucx.assign(p.ucx_addresses().begin(), p.ucx_addresses().end());
   peers_.replicas.assign(p.gloo_addresses().begin(), p.gloo_addresses().end());
+  peers_.tensor_parallel.assign(p.tp_gloo_addresses().begin(), p.tp_gloo_addresses().end());
   have_peers_ = true;
 }
 

@@ -26,6 +26,7 @@ class RankControl {
   struct Peers {
     std::vector<std::string> ucx;
     std::vector<std::string> replicas;
+    std::vector<std::string> tensor_parallel;  // the rank's tensor-parallel group (by shard)
   };
 
   // A new rank (job `job_id`, `attempt`): not cancelled, no peers, no micro-batches.

@@ -42,6 +42,7 @@ StepReport BuildStepReport(const Assignment& a, int step, const stage::StepResul
   r.set_step(step);
   r.set_attempt(a.attempt());
   r.set_replica(a.replica());
+  r.set_tp_rank(a.tp_rank());
   r.set_has_loss(res.has_loss);
   r.set_loss(res.loss);
   r.set_lr(res.lr);
@@ -50,6 +51,7 @@ StepReport BuildStepReport(const Assignment& a, int step, const stage::StepResul
   StepBreakdown* bd = r.mutable_breakdown();
   bd->set_rank(a.rank());
   bd->set_replica(a.replica());
+  bd->set_tp_rank(a.tp_rank());
   bd->set_step_seconds(res.step_seconds);
   bd->set_compute_seconds(res.breakdown.compute_seconds);
   bd->set_wait_seconds(res.breakdown.wait_seconds);

@@ -42,8 +42,9 @@ absl::Status SendStage(const Writer& write, const Assignment& a, int stage, cons
                        size_t chunk_bytes) {
   auto sent = Stream(
       write, a, chunk_bytes,
-      [stage](WorkerMessage* m) {
+      [stage, &a](WorkerMessage* m) {
         m->mutable_stage_result()->set_stage(stage);
+        m->mutable_stage_result()->set_tp_rank(a.tp_rank());
         return m->mutable_stage_result();
       },
       [&](const Sink& sink) { return torchio::WriteModule(module, sink); }, "results");
@@ -74,6 +75,7 @@ absl::Status SendCheckpoint(const Writer& write, const Assignment& a, int step, 
       c->set_step(step);
       c->set_rank(a.rank());
       c->set_replica(a.replica());
+      c->set_tp_rank(a.tp_rank());
       c->set_stage(stage);
       return c;
     };

@@ -55,7 +55,8 @@ WorkerMessage ResultOf(const Assignment& a, const ServeBatch& batch, const absl:
 
 absl::Status RunServing(const Assignment& a, job::RankJob& rank_job, RankControl& control, const Writer& write,
                         WorkerMetrics& metrics) {
-  const bool last = rank_job.schedule().stage_to_rank.back() == a.rank();
+  // The last stage's rank answers; with tensor parallelism, shard 0's (the shards' outputs are alike).
+  const bool last = rank_job.schedule().stage_to_rank.back() == a.rank() && a.tp_rank() == 0;
   log::Info("job={} rank={}: serving", a.job_id(), a.rank());
   while (true) {
     absl::StatusOr<ServeBatch> batch = control.NextServe();

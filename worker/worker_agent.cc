@@ -165,6 +165,7 @@ void Agent::Finished(const Assignment& a, const absl::Status& s) {
   r->set_code(static_cast<int>(s.code()));
   r->set_attempt(a.attempt());
   r->set_replica(a.replica());
+  r->set_tp_rank(a.tp_rank());
   session_->Write(f);
 }
 
@@ -227,6 +228,13 @@ absl::Status Agent::RunRank(ReceivedAssignment in) {
   const int replicas = std::max(1, spec.replicas());
   log::Info("job={} rank={} of {}: received {} bytes; loading stage(s)", a.job_id(), a.rank(), world,
             in.bytes_received);
+  const int tp_size = std::max(1, spec.tensor_parallel().size());
+  if (tp_size > 1 && device_.is_gpu()) {
+    return absl::UnimplementedError(absl::StrCat("tensor parallelism (", tp_size, " ranks per stage) runs on CPU "
+                                                 "workers only (its all-reduces are gloo over TCP); this worker's "
+                                                 "device is ", device_.ToString(), ": submit without "
+                                                 "--tensor-parallel, or to workers started with --device cpu"));
+  }
   if (replicas > 1 && device_.is_gpu()) {
     return absl::UnimplementedError(absl::StrCat("data parallelism (replicas ", spec.replicas(), ") runs on CPU "
                                                  "workers only (the replicas' all-reduce is gloo over TCP); this "
@@ -261,6 +269,14 @@ absl::Status Agent::RunRank(ReceivedAssignment in) {
   ra->set_loaded_param_bytes(stages.param_bytes);
   ra->set_attempt(a.attempt());
   ra->set_replica(a.replica());
+  ra->set_tp_rank(a.tp_rank());
+  // Tensor parallelism: this rank's endpoints for its group (the same stages' other shards).
+  std::unique_ptr<transport::gloo_group::GlooGroup> tp_group;
+  if (tp_size > 1) {
+    PIPPY_ASSIGN_OR_RETURN(tp_group, transport::gloo_group::GlooGroup::Create(a.tp_rank(), tp_size, ReplicaHost(),
+                                                                              options_.wait_timeout));
+    ra->set_tp_gloo_address(tp_group->address());
+  }
   // Data parallelism: this rank's endpoints for its replica group (gloo, TCP).
   std::unique_ptr<transport::gloo_group::GlooGroup> group;
   if (replicas > 1) {
@@ -272,10 +288,11 @@ absl::Status Agent::RunRank(ReceivedAssignment in) {
   PIPPY_ASSIGN_OR_RETURN(RankControl::Peers peers, control_.WaitForPeers(options_.wait_timeout));
   PIPPY_RETURN_IF_ERROR(transports->Connect(peers.ucx));
   if (group != nullptr) PIPPY_RETURN_IF_ERROR(group->Connect(peers.replicas));
+  if (tp_group != nullptr) PIPPY_RETURN_IF_ERROR(tp_group->Connect(peers.tensor_parallel));
   PIPPY_ASSIGN_OR_RETURN(auto rank_job,
                          job::RankJob::Create(spec, a.plan(), a.layout(), a.rank(), std::move(stages.modules),
                                               transports->transport(), options_.wait_timeout, group.get(),
-                                              torch_device_));
+                                              torch_device_, tp_group.get()));
   PIPPY_RETURN_IF_ERROR(control_.Attach(rank_job.get()));
   absl::Cleanup detach = [this] { control_.Detach(); };  // before the rank job goes
   if (a.state_bytes() > 0) {

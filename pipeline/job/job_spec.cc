@@ -197,6 +197,11 @@ absl::Status CheckSpec(JobSpec* spec) {
   if (absl::Status tp = tp::CheckSpec(spec->tensor_parallel()); !tp.ok()) {
     return Bad("tensor_parallel", std::string(tp.message()));
   }
+  if (spec->tensor_parallel().size() > 1) {
+    if (!spec->resume_from().empty()) {
+      return Bad("tensor_parallel", "--resume-from with tensor parallelism is not supported yet; submit without one of them");
+    }
+  }
   if (spec->batch_size() % (int64_t{spec->replicas()} * sched->microbatches()) != 0) {
     // The micro-batch counts that would fit (the divisors of the batch per replica).
     std::vector<int64_t> fit;

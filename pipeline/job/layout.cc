@@ -16,6 +16,7 @@ absl::StatusOr<JobLayout> MakeLayout(const JobSpec& spec, const PipelinePlan& pl
   PIPPY_ASSIGN_OR_RETURN(schedule::Schedule sched, ScheduleFor(spec, plan));
   JobLayout layout;
   layout.set_replicas(std::max(1, spec.replicas()));
+  layout.set_tensor_parallel(std::max(1, spec.tensor_parallel().size()));
   for (int r = 0; r < sched.num_ranks; ++r) {
     RankLayout* piece = layout.add_ranks();
     piece->set_num_ranks(sched.num_ranks);

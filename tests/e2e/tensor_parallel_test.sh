@@ -1,0 +1,133 @@
+#!/bin/bash
+# Tensor parallelism x pipeline parallelism (x data parallelism) end to end: a real
+# pippy-coordinator and real pippy-worker processes on 127.0.0.1. The zoo's Llama
+# (separate q/k/v/o projections, a SwiGLU MLP, an Embedding) with every Linear of its
+# blocks sharded colwise/rowwise and the embedding by vocabulary:
+#   P = 2 x T = 2 (4 workers), 1F1B and ZB1P, AdamW, 20 steps;
+#   the same with --replicas 2 (8 workers);
+#   an inference job and a serving job.
+# Each fetched model (the shards gathered back into the original module structure) is
+# checked with /usr/bin/python3 against the unsplit model trained by torch.optim on the
+# same micro-batches (max relative difference <= 1e-5). Then the refusals a submission
+# meets: a fused qkv, a plan matching nothing, too few workers.
+set -u
+PIPPYCTL="$PWD/client/pippyctl"
+COORD="$PWD/coordinator/pippy-coordinator"
+WORKER="$PWD/worker/pippy-worker"
+ZOO="$PWD/examples/models/zoo"
+CHECK="$PWD/tests/python/check_training.py"
+TMP="${TEST_TMPDIR:-$(mktemp -d)}/tp"
+rm -rf "$TMP" && mkdir -p "$TMP"
+source "$PWD/tests/e2e/testlib.sh"
+
+start_coordinator 0
+ctl() { "$PIPPYCTL" --coordinator "$ADDR" "$@"; }
+nworkers=0
+start_worker() {
+  local name="w$nworkers"
+  nworkers=$((nworkers + 1))
+  "$WORKER" --coordinator "$ADDR" --name "$name" --ucx-tls sm,self --replica-host 127.0.0.1 --wait-timeout-s 30 \
+    --threads 1 > "$TMP/$name.log" 2>&1 &
+  pids+=($!)
+}
+json_get() { ctl status "$1" --output json | /usr/bin/python3 -c "import json,sys; j=json.load(sys.stdin); print($2)"; }
+for _ in 0 1 2 3; do start_worker; done
+wait_idle 4 && ok "4 workers registered" || bad "4 workers registered"
+
+PLAN='layers.*.attn.q=colwise,layers.*.attn.k=colwise,layers.*.attn.v=colwise,layers.*.attn.o=rowwise,layers.*.mlp.gate=colwise,layers.*.mlp.up=colwise,layers.*.mlp.down=rowwise,tok_emb=vocab'
+OPT=(--optimizer adamw --lr 0.002 --weight-decay 0.01)
+train() {  # NAME REFERENCE_MICROBATCHES ARGS...
+  local name=$1 ref_m=$2
+  shift 2
+  if ! ctl submit "$ZOO/llama.pt" --data "$ZOO/llama.data.pt" --batch-size 8 --loss model "${OPT[@]}" --steps 20 \
+       --stages 2 --tensor-parallel 2 --tp-plan "$PLAN" "$@" --wait > "$TMP/$name.out" 2>&1; then
+    bad "$name: job did not succeed: $(tail -3 "$TMP/$name.out" | tr '\n' ' ')"; return
+  fi
+  last_job=$(head -1 "$TMP/$name.out")
+  if ctl fetch "$last_job" -o "$TMP/$name.pt" > /dev/null &&
+     /usr/bin/python3 "$CHECK" "$ZOO/llama.pt" "$ZOO/llama.data.pt" "$TMP/$name.pt" --steps 20 --batch-size 8 \
+       --microbatches "$ref_m" --loss model "${OPT[@]}" --tolerance 1e-5 > "$TMP/$name.check" 2>&1; then
+    ok "$name: the fetched model equals the unsplit model trained in PyTorch ($(tail -1 "$TMP/$name.check"))"
+  else
+    bad "$name: $(tail -3 "$TMP/$name.check" | tr '\n' ' ')"
+  fi
+}
+train tp_1f1b 4 --schedule 1f1b --microbatches 4
+# The groups in status: shard x stage, each rank's shard in the breakdown.
+ctl status "$last_job" > "$TMP/status.txt"
+if grep -q "tensor parallel: 2 ranks per stage" "$TMP/status.txt" && grep -q "shard 1: stage 0:" "$TMP/status.txt" &&
+   grep -q "(shard 1)" "$TMP/status.txt"; then
+  ok "status shows the tensor-parallel groups"
+else
+  bad "status: $(cat "$TMP/status.txt")"
+fi
+grid=$(ctl workers --output json | /usr/bin/python3 -c \
+  "import json,sys; print(sorted((w.get('tp_rank', 0), w.get('rank', 0)) for w in json.load(sys.stdin)['workers']))")
+[ "$grid" = "[(0, 0), (0, 1), (1, 0), (1, 1)]" ] && ok "workers: shard x rank $grid" || bad "workers grid: $grid"
+train tp_zb1p 4 --schedule zb1p --microbatches 4
+
+# The inference job: its outputs equal the unsplit forward.
+if ctl submit "$ZOO/llama.pt" --data "$ZOO/llama.data.pt" --stages 2 --schedule inference --microbatches 2 \
+     --batch-size 8 --steps 1 --tensor-parallel 2 --tp-plan "$PLAN" --wait > "$TMP/inference.out" 2>&1 &&
+   ctl fetch "$(head -1 "$TMP/inference.out")" -o "$TMP/outputs.pt" > /dev/null &&
+   /usr/bin/python3 - "$ZOO/llama.pt" "$ZOO/llama.data.pt" "$TMP/outputs.pt" > "$TMP/inference.check" 2>&1 <<'PY'
+import sys, torch
+model = torch.jit.load(sys.argv[1])
+data = torch.load(sys.argv[2])
+got = torch.load(sys.argv[3])
+with torch.no_grad():
+    want = model(data["inputs"])
+d = (got - want).abs().max().item() / want.abs().max().item()
+print(f"max relative difference {d:.3g}")
+sys.exit(0 if got.shape == want.shape and d <= 1e-5 else 1)
+PY
+then ok "inference job equals the unsplit forward ($(cat "$TMP/inference.check"))"
+else bad "inference job: $(tail -3 "$TMP/inference.out" "$TMP/inference.check" 2>/dev/null | tr '\n' ' ')"; fi
+
+# Refused at submission, exit 2 with the module and the fix.
+refused() {  # NAME WANT ARGS...
+  local name=$1 want=$2
+  shift 2
+  ctl submit "$@" > /dev/null 2> "$TMP/$name.err"
+  local code=$?
+  if [ "$code" = 2 ] && grep -qF -- "$want" "$TMP/$name.err"; then ok "refused: $name"; else
+    bad "$name: exit $code, $(cat "$TMP/$name.err")"; fi
+}
+refused fused-qkv "blocks.0.attn.qkv looks like a fused projection" "$ZOO/gpt.pt" --data "$ZOO/gpt.data.pt" \
+  --batch-size 8 --loss model --optimizer sgd --stages 2 --schedule 1f1b --microbatches 2 --steps 1 --tensor-parallel 2 \
+  --tp-plan 'blocks.*.attn.qkv=colwise,blocks.*.attn.proj=rowwise'
+refused no-match "'layers.*.attn.query' matches no module" "$ZOO/llama.pt" --data "$ZOO/llama.data.pt" \
+  --batch-size 8 --loss model --optimizer sgd --stages 2 --schedule 1f1b --microbatches 2 --steps 1 --tensor-parallel 2 \
+  --tp-plan 'layers.*.attn.query=colwise'
+refused too-few-workers "needs 8 workers" "$ZOO/llama.pt" --data "$ZOO/llama.data.pt" --batch-size 8 --loss model \
+  --optimizer sgd --stages 4 --schedule 1f1b --microbatches 4 --steps 1 --tensor-parallel 2 --tp-plan "$PLAN"
+
+# A serving job, P = 2 x T = 2: pippyctl infer answers as the unsplit model.
+ctl serve "$ZOO/llama.pt" --stages 2 --example "$ZOO/llama.input.pt" --tensor-parallel 2 --tp-plan "$PLAN" \
+  --max-batch 8 --name llama-tp --wait > "$TMP/serve.out" 2> "$TMP/serve.err"
+SERVE_JOB=$(head -1 "$TMP/serve.out")
+[ "$(json_get "$SERVE_JOB" "j['state']" 2>/dev/null)" = SERVING ] && ok "serve --tensor-parallel 2: SERVING" ||
+  bad "serve: $(cat "$TMP/serve.err")"
+/usr/bin/python3 -c "import torch; torch.manual_seed(1); torch.save(torch.randint(0, 64, (3, 16)), '$TMP/one.pt')"
+if ctl infer llama-tp --input "$TMP/one.pt" -o "$TMP/one.out.pt" > "$TMP/infer.out" 2>&1 &&
+   /usr/bin/python3 - "$ZOO/llama.pt" "$TMP" > "$TMP/infer.check" 2>&1 <<'PY'
+import sys, torch
+m = torch.jit.load(sys.argv[1]); tmp = sys.argv[2]
+x = torch.load(f"{tmp}/one.pt"); y = torch.load(f"{tmp}/one.out.pt")
+with torch.no_grad():
+    want = m(x)
+d = ((y - want).abs().max() / want.abs().max()).item()
+print(f"max relative difference {d:.3g}")
+sys.exit(0 if y.shape == want.shape and d <= 1e-5 else 1)
+PY
+then ok "pippyctl infer on the tensor-parallel serving job equals the unsplit model ($(cat "$TMP/infer.check"))"
+else bad "infer: $(cat "$TMP/infer.out" "$TMP/infer.check" 2>/dev/null | tr '\n' ' ')"; fi
+ctl cancel "$SERVE_JOB" > /dev/null
+wait_idle 4 || bad "the serving job's workers are idle again"
+
+# x data parallelism: 2 replicas x 2 stages x 2 shards on 8 workers; each replica
+# trains on half of every batch, its 2 micro-batches: the reference accumulates 4.
+for _ in 4 5 6 7; do start_worker; done
+wait_idle 8 && ok "8 workers registered" || bad "8 workers registered"
+train tp_dp_1f1b 4 --schedule 1f1b --microbatches 2 --replicas 2
+finish
