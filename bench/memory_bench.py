@@ -25,6 +25,12 @@ Budgets:
 
 usage: memory_bench.py --bin BAZEL_BIN [--layers 16] [--hidden 4096] [--workers 4]
                        [--optimizer adamw] [--steps 2] [--batch 32] [--microbatches 4]
+                       [--tensor-parallel T]
+
+--tensor-parallel T: every stage sharded across T workers (the Linears alternately colwise
+and rowwise); each worker's budget counts its shard (a T-th of the stage's sharded
+parameters, the replicated ones whole), and its row says what it loaded against its
+stage's parameters (1/T expected, plus the replicated biases of rowwise Linears).
 """
 import argparse
 import json
@@ -84,7 +90,15 @@ def main():
     ap.add_argument("--fetches", type=int, default=1,
                     help="fetch the trained model this many times (pippyctl's peak: the largest; all printed)")
     ap.add_argument("--tmp", default=None, help="work folder (default: a new one under /tmp)")
+    ap.add_argument("--tensor-parallel", type=int, default=1,
+                    help="T ranks per stage (T x the workers): the Linears alternately colwise and rowwise")
     a = ap.parse_args()
+    T = a.tensor_parallel
+    nprocs = a.workers * T
+    tp_flags = []
+    if T > 1:
+        plan = ",".join(f"{2 * i}={'colwise' if i % 2 == 0 else 'rowwise'}" for i in range(a.layers))
+        tp_flags = ["--tensor-parallel", str(T), "--tp-plan", plan]
 
     tmp = a.tmp or tempfile.mkdtemp(prefix="pippy-membench-")
     os.makedirs(tmp, exist_ok=True)
@@ -105,7 +119,8 @@ torch.jit.script(torch.nn.Sequential(*layers[:2 * ({a.layers} // {a.workers})]))
     param_bytes = a.layers * (a.hidden * a.hidden + a.hidden) * 4
     print(f"model: {a.layers} x Linear({a.hidden}, {a.hidden}) + ReLU = {param_bytes / MB:.0f} MiB of parameters, "
           f"file {model_bytes / MB:.0f} MiB (made in {time.perf_counter() - t0:.1f} s); "
-          f"{a.workers} stages on {a.workers} workers, 1f1b, {a.optimizer}, batch {a.batch}, m={a.microbatches}, "
+          f"{a.workers} stages x {T} tensor-parallel ranks on {nprocs} workers, 1f1b, {a.optimizer}, batch {a.batch}, "
+          f"m={a.microbatches}, "
           f"{a.steps} steps", flush=True)
 
     port = free_port()
@@ -118,7 +133,7 @@ torch.jit.script(torch.nn.Sequential(*layers[:2 * ({a.layers} // {a.workers})]))
         logs.append(log)
         procs["coordinator"] = subprocess.Popen(coord_cmd, stdout=log, stderr=log, env=env)
         where = f"127.0.0.1:{port}"
-        for i in range(a.workers):
+        for i in range(nprocs):
             log = open(f"{tmp}/worker{i}.log", "w")
             logs.append(log)
             procs[f"worker {i}"] = subprocess.Popen(
@@ -128,7 +143,7 @@ torch.jit.script(torch.nn.Sequential(*layers[:2 * ({a.layers} // {a.workers})]))
         for _ in range(200):
             r = subprocess.run(ctl + ["workers", "--output", "json"], capture_output=True, text=True)
             if r.returncode == 0 and sum(1 for w in json.loads(r.stdout or "{}").get("workers", [])
-                                         if w["state"] == "IDLE") == a.workers:
+                                         if w["state"] == "IDLE") == nprocs:
                 break
             time.sleep(0.1)
 
@@ -145,7 +160,7 @@ torch.jit.script(torch.nn.Sequential(*layers[:2 * ({a.layers} // {a.workers})]))
         submit = run_measured(ctl + ["submit", model, "--synthetic", spec, "--stages", str(a.workers), "--schedule",
                                      "1f1b", "--microbatches", str(a.microbatches), "--batch-size", str(a.batch),
                                      "--steps", str(a.steps), "--loss", "mse", "--optimizer", a.optimizer,
-                                     "--lr", "1e-4", "--detach"], env)
+                                     "--lr", "1e-4", "--detach"] + tp_flags, env)
         if submit["rc"] != 0:
             print("submit failed:", submit["err"])
             return 1
@@ -180,6 +195,14 @@ torch.jit.script(torch.nn.Sequential(*layers[:2 * ({a.layers} // {a.workers})]))
         workers = json.loads(subprocess.run(ctl + ["workers", "--output", "json"], capture_output=True,
                                             text=True).stdout)["workers"]
         stages_of = {w["name"]: [int(s) for s in w.get("stages", [])] for w in workers}
+        loaded_of = {w["name"]: int(w.get("loaded_param_bytes", 0)) for w in workers}
+        # What one rank of a stage holds: its shard (a T-th of each sharded tensor) and
+        # every replicated tensor whole.
+        stage_rank_bytes = []
+        for s in j["plan"]["stages"]:
+            params = s.get("parameters", [])
+            stage_rank_bytes.append(sum(int(p.get("bytes", 0)) // (T if "tp_dim" in p else 1) for p in params)
+                                    if T > 1 and params else int(s.get("param_bytes", 0)))
         peaks = {name: vm_hwm(p.pid) for name, p in procs.items()}
         largest_stage = max(stage_files) if stage_files else 0
         # The largest stage sent alone: a one-stage job of that stage's layers on one
@@ -210,7 +233,7 @@ torch.jit.script(torch.nn.Sequential(*layers[:2 * ({a.layers} // {a.workers})]))
         again = subprocess.run(ctl + ["submit", model, "--synthetic", spec, "--stages", str(a.workers), "--schedule",
                                       "1f1b", "--microbatches", str(a.microbatches), "--batch-size", str(a.batch),
                                       "--steps", "1", "--loss", "mse", "--optimizer", a.optimizer, "--lr", "1e-4",
-                                      "--wait"], capture_output=True, text=True, env=env)
+                                      "--wait"] + tp_flags, capture_output=True, text=True, env=env)
         again_job = again.stdout.split()[0] if again.returncode == 0 and again.stdout.split() else None
         if again_job is None:
             print("the second job failed:", again.stdout, again.stderr)
@@ -269,10 +292,14 @@ torch.jit.script(torch.nn.Sequential(*layers[:2 * ({a.layers} // {a.workers})]))
         if kind in children:
             rows.append((label, children[kind], largest_stage + 2 * largest_tensor + 400 * MB,
                          f"largest stage {largest_stage / MB:.0f} MiB of a {model_bytes / MB:.0f} MiB model"))
-    for i in range(a.workers):
-        own = sum(stage_params[s] for s in stages_of.get(f"w{i}", []))
+    for i in range(nprocs):
+        own = sum(stage_rank_bytes[s] for s in stages_of.get(f"w{i}", []))
+        whole = sum(stage_params[s] for s in stages_of.get(f"w{i}", []))
+        held = (f"stage params {whole / MB:.0f} MiB, its shard {own / MB:.0f} MiB, loaded {loaded_of.get(f'w{i}', 0) / MB:.0f}"
+                f" MiB = {loaded_of.get(f'w{i}', 0) / max(whole, 1):.3f} of the stage" if T > 1 else
+                f"stage params {own / MB:.0f} MiB")
         rows.append((f"worker {i} (stages {','.join(map(str, stages_of.get(f'w{i}', [])))})", peaks[f"worker {i}"],
-                     (k + 0.2) * own + 400 * MB, f"stage params {own / MB:.0f} MiB"))
+                     (k + 0.2) * own + 400 * MB, held))
     rows.append(("pippyctl submit", submit["maxrss"], 150 * MB, f"streams {model_bytes / MB:.0f} MiB"))
     rows.append(("pippyctl fetch", fetch["maxrss"], 150 * MB, f"writes {os.path.getsize(tmp + '/trained.pt') / MB:.0f} MiB"))
     print(f"\n{'process':34s} {'peak RSS':>10s} {'budget':>10s} {'ratio':>7s}  {'':4s} sizes")

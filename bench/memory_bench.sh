@@ -5,6 +5,7 @@
 #
 #   bench/memory_bench.sh                          # the 1.07 GB model
 #   bench/memory_bench.sh --layers 34 --optimizer sgd   # a 2.28 GB model (> 2 GiB)
+#   bench/memory_bench.sh --tensor-parallel 2      # each stage sharded across 2 workers (8 workers)
 #
 # Needs ~8 GB of free memory for the default, ~12 GB for the 2.28 GB model.
 set -euo pipefail

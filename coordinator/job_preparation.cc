@@ -572,7 +572,9 @@ absl::StatusOr<PreparedJob> PrepareInChild(const JobSpec& spec, const std::strin
   PIPPY_RETURN_IF_ERROR(ReadMessage(dir + kPreparedSpecFile, &out.spec));
   PIPPY_RETURN_IF_ERROR(ReadMessage(dir + kPlanFile, &out.plan));
   PIPPY_RETURN_IF_ERROR(ReadMessage(dir + kLayoutFile, &out.layout));
-  for (int s = 0; s < out.plan.stages_size(); ++s) {
+  // One file per stage, or per stage and shard (stage_<s * T + t>.pt).
+  const int files = out.plan.stages_size() * std::max(1, out.plan.tensor_parallel().size());
+  for (int s = 0; s < files; ++s) {
     const int64_t n = ArtifactStore::FileSize(absl::StrCat(dir, "/", ArtifactStore::StageFileName(s)));
     if (n <= 0) return absl::InternalError(absl::StrCat("the preparation process wrote no stage file ", s));
     out.stage_bytes.push_back(n);
