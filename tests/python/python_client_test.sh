@@ -76,6 +76,13 @@ refused("a misspelled keyword", lambda: c.submit(sys.argv[2], sys.argv[3], stage
 refused("an unknown schedule", lambda: c.submit(sys.argv[2], sys.argv[3], stages=2, schedule="zigzag",
                                                 microbatches=2, batch_size=16, loss="mse", optimizer="sgd"),
         "schedule: unknown 'zigzag'")
+tp = pippy.make_spec(sys.argv[2], sys.argv[3], stages=2, schedule="1f1b", microbatches=2, batch_size=16,
+                     tensor_parallel=2, tp_plan="0=colwise, 2=rowwise")
+assert tp.tensor_parallel.size == 2 and [(r.pattern, r.style) for r in tp.tensor_parallel.rules] == \
+    [("0", pippy.job_pb2.TP_COLWISE), ("2", pippy.job_pb2.TP_ROWWISE)], tp.tensor_parallel
+refused("a tensor-parallel plan without a style", lambda: pippy.make_spec(
+    sys.argv[2], sys.argv[3], stages=2, schedule="1f1b", microbatches=2, batch_size=16, tensor_parallel=2,
+    tp_plan="0=columns"), "tp_plan: '0=columns' is not PATTERN=STYLE")
 refused("a misspelled serve keyword", lambda: c.serve(sys.argv[2], sys.argv[3], stages=2, max_batchh=8),
         "unknown argument 'max_batchh'; did you mean max_batch")
 for torch_name, kind in (("Schedule1F1B", "SCHEDULE_1F1B"), ("ScheduleZBVZeroBubble", "SCHEDULE_ZBV")):

@@ -129,7 +129,7 @@ def make_spec(model_path, data_path=None, *, stages=0, split_at=(), balance="par
               stages_per_worker=0, replicas=1, checkpoint_every=None, max_restarts=None, recovery_timeout_s=None,
               dtype="fp32", lr_schedule=None, warmup_steps=0, min_lr=0.0, dataset=None, seq_len=0,
               token_dtype=None, shuffle=False, epochs=0, resume_from="", eval_dataset=None, eval_every=0,
-              eval_batches=0):
+              eval_batches=0, tensor_parallel=1, tp_plan=""):
     """The JobSpec pippyctl submit would send (the coordinator checks it again).
     dtype: "fp32" or "bf16" (autocast to bfloat16, fp32 weights; pippyctl's --dtype).
     lr_schedule: "constant", "linear" or "cosine", with warmup_steps and min_lr (pippyctl's
@@ -139,7 +139,9 @@ def make_spec(model_path, data_path=None, *, stages=0, split_at=(), balance="par
     instead of steps. resume_from: a job id whose last checkpoint this job starts from
     (steps then count the whole run). eval_dataset: a validation dataset, evaluated after
     every eval_every-th step and the last on its first eval_batches batches; the record's
-    "evals" list each evaluation's step and loss."""
+    "evals" list each evaluation's step and loss. tensor_parallel, tp_plan: every stage
+    computed by T ranks, sharded as the plan says ("layers.*.attn.q=colwise,...", styles
+    colwise, rowwise, vocab; pippyctl's --tensor-parallel, --tp-plan)."""
     if epochs and steps == 1:
         steps = 0  # epochs give the steps
     spec = job_pb2.JobSpec(name=name or os.path.splitext(os.path.basename(model_path))[0], steps=steps,
@@ -149,6 +151,7 @@ def make_spec(model_path, data_path=None, *, stages=0, split_at=(), balance="par
     spec.split.stages = stages
     spec.split.split_at.extend(split_at)
     spec.split.balance = _enum(job_pb2.Balance, balance, "balance")
+    _set_tensor_parallel(spec, tensor_parallel, tp_plan)
     spec.schedule.kind = _enum(job_pb2.ScheduleKind, schedule, "schedule")
     spec.schedule.microbatches = microbatches
     spec.schedule.stages_per_worker = stages_per_worker
@@ -188,14 +191,30 @@ def make_spec(model_path, data_path=None, *, stages=0, split_at=(), balance="par
     return spec
 
 
+def _set_tensor_parallel(spec, size, plan):
+    """--tensor-parallel T --tp-plan "PATTERN=STYLE,..." (the coordinator checks the plan)."""
+    if size <= 1 and not plan:
+        return
+    spec.tensor_parallel.size = size
+    styles = {"colwise": job_pb2.TP_COLWISE, "rowwise": job_pb2.TP_ROWWISE, "vocab": job_pb2.TP_VOCAB}
+    for entry in filter(None, (e.strip() for e in plan.split(","))):
+        pattern, sep, style = entry.partition("=")
+        if not sep or style.strip() not in styles:
+            raise PippyError(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"tp_plan: {entry!r} is not PATTERN=STYLE with STYLE colwise, rowwise or vocab")
+        spec.tensor_parallel.rules.add(pattern=pattern.strip(), style=styles[style.strip()])
+
+
 def make_serving_spec(model_path, example=None, *, stages=0, split_at=(), balance="params", max_batch=0,
-                      max_delay_ms=None, max_inflight=0, name=None, synthetic="", seed=0, dtype="fp32"):
+                      max_delay_ms=None, max_inflight=0, name=None, synthetic="", seed=0, dtype="fp32",
+                      tensor_parallel=1, tp_plan=""):
     """The JobSpec pippyctl serve would send."""
     spec = job_pb2.JobSpec(name=name or os.path.splitext(os.path.basename(model_path))[0], seed=seed)
     spec.precision = _enum(job_pb2.Precision, dtype, "dtype")
     spec.split.stages = stages
     spec.split.split_at.extend(split_at)
     spec.split.balance = _enum(job_pb2.Balance, balance, "balance")
+    _set_tensor_parallel(spec, tensor_parallel, tp_plan)
     spec.serving.max_batch = max_batch
     if max_delay_ms is not None:
         spec.serving.max_delay_ms = max_delay_ms
