@@ -312,7 +312,10 @@ void PrintJob(const Job& j) {
             ? absl::StrFormat("; replica all-reduce %.3f, %.0f%% overlapped", b.allreduce_seconds(),
                               100 * std::clamp(1 - b.allreduce_wait_seconds() / b.allreduce_seconds(), 0.0, 1.0))
             : "",
-        memory);
+        absl::StrCat(b.tp_allreduces() > 0 ? absl::StrFormat("; tensor-parallel all-reduce %.3f (%d, in compute)",
+                                                              b.tp_allreduce_seconds(), b.tp_allreduces())
+                                           : "",
+                     memory));
   }
   if (j.losses_size() > 0) {
     // The last 10 (all of them: --output json), with the first and the lowest.

@@ -60,6 +60,8 @@ StepReport BuildStepReport(const Assignment& a, int step, const stage::StepResul
   bd->set_other_seconds(res.breakdown.other_seconds);
   bd->set_allreduce_seconds(res.breakdown.allreduce_seconds);
   bd->set_allreduce_wait_seconds(res.breakdown.allreduce_wait_seconds);
+  bd->set_tp_allreduce_seconds(res.breakdown.tp_allreduce_seconds);
+  bd->set_tp_allreduces(res.breakdown.tp_allreduces);
   bd->set_peak_memory_bytes(readings.peak_memory_bytes);
   for (const stage::TraceEvent& t : res.trace) {
     TraceEvent* e = r.add_events();

@@ -441,6 +441,7 @@ absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10:
   auto start = std::chrono::steady_clock::now();
   waited_us_ = 0;
   tp::ScopedGroup tp_group(options_.tensor_parallel);
+  tp::TakeCollectiveSlices();  // not this step's
   StepState st;
   st.step = step;
   st.training = training;
@@ -611,6 +612,12 @@ absl::StatusOr<StepResult> RankRuntime::RunStep(int step, const std::vector<c10:
   bd.other_seconds = std::max(0.0, result.step_seconds - bd.compute_seconds - bd.wait_seconds -
                                        bd.transport_seconds - bd.optimizer_seconds);
   result.trace = std::move(st.trace);
+  for (const tp::CollectiveSlice& c : tp::TakeCollectiveSlices()) {
+    result.trace.push_back({c.backward ? "tp all-reduce (backward)" : "tp all-reduce", -1, c.begin_us, c.duration_us,
+                            c.bytes, 0});
+    bd.tp_allreduce_seconds += static_cast<double>(c.duration_us) * 1e-6;
+    ++bd.tp_allreduces;
+  }
   return result;
 }
 

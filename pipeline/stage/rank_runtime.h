@@ -107,6 +107,10 @@ struct StepBreakdown {
   // wait_seconds). 1 - waited / ran is the overlap with the rank's other work.
   double allreduce_seconds = 0;
   double allreduce_wait_seconds = 0;
+  // Tensor parallelism (part of compute_seconds: the ops run inside F, B, I, W): the time
+  // in the group's all-reduces and how many there were.
+  double tp_allreduce_seconds = 0;
+  int tp_allreduces = 0;
 };
 
 struct StepResult {

@@ -1,6 +1,8 @@
 #include "pipeline/tensor_parallel/tp_ops.h"
 
+#include <chrono>
 #include <cstdint>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "torch/csrc/autograd/custom_function.h"
@@ -14,6 +16,12 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 thread_local transport::ReplicaGroup* t_group = nullptr;
+thread_local std::vector<CollectiveSlice> t_slices;
+
+int64_t NowUs() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 transport::ReplicaGroup* RequireGroup(const char* op) {
   TORCH_CHECK(t_group != nullptr, op,
@@ -30,7 +38,12 @@ at::Tensor Reduced(transport::ReplicaGroup* group, const at::Tensor& x, const ch
   at::Tensor flat = x.scalar_type() == at::kFloat ? x.detach().clone(at::MemoryFormat::Contiguous)
                                                    : x.detach().to(at::kFloat).contiguous();
   if (group->size() > 1) {
+    const int64_t begin = NowUs();
     const absl::Status s = group->AllReduceSum(flat);
+    if (t_slices.size() < 65536) {
+      t_slices.push_back({begin, NowUs() - begin, static_cast<int64_t>(flat.numel() * 4),
+                          std::strstr(what, "backward") != nullptr});
+    }
     TORCH_CHECK(s.ok(), what, ": the tensor-parallel all-reduce failed on member ", group->index(), " of ",
                 group->size(), ": ", s.ToString());
   }
@@ -83,6 +96,12 @@ TORCH_LIBRARY(pippy, m) {
 ScopedGroup::ScopedGroup(transport::ReplicaGroup* group) : previous_(t_group) { t_group = group; }
 ScopedGroup::~ScopedGroup() { t_group = previous_; }
 transport::ReplicaGroup* CurrentGroup() { return t_group; }
+
+std::vector<CollectiveSlice> TakeCollectiveSlices() {
+  std::vector<CollectiveSlice> out;
+  out.swap(t_slices);
+  return out;
+}
 
 class LocalGroup::Member : public transport::ReplicaGroup {
  public:

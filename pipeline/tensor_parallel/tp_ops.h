@@ -26,6 +26,7 @@
 #ifndef PIPPY_PIPELINE_TENSOR_PARALLEL_TP_OPS_H_
 #define PIPPY_PIPELINE_TENSOR_PARALLEL_TP_OPS_H_
 
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <vector>
@@ -56,6 +57,18 @@ class ScopedGroup {
 
 // The calling thread's group (nullptr: none).
 transport::ReplicaGroup* CurrentGroup();
+
+// One all-reduce the ops ran on the calling thread: when (the steady clock,
+// microseconds), how long, how many bytes, and whether in backward (tp_copy's).
+struct CollectiveSlice {
+  int64_t begin_us = 0;
+  int64_t duration_us = 0;
+  int64_t bytes = 0;
+  bool backward = false;
+};
+// The calling thread's all-reduces since the last call, in order (the runtime takes them
+// at each step's start and end for its trace). At most 65536 are kept between calls.
+std::vector<CollectiveSlice> TakeCollectiveSlices();
 
 // A group of `size` members in one process (threads), for checking shards against the
 // unsplit stage (sharding.h) and for tests of the runtime. The sum is taken in member
