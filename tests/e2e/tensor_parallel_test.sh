@@ -62,6 +62,13 @@ if grep -q "tensor parallel: 2 ranks per stage" "$TMP/status.txt" && grep -q "sh
 else
   bad "status: $(cat "$TMP/status.txt")"
 fi
+ctl trace "$last_job" -o "$TMP/trace.json" > /dev/null 2>&1
+slices=$(/usr/bin/python3 -c "import json; print(sum(1 for e in json.load(open('$TMP/trace.json'))['traceEvents'] if e.get('name', '').startswith('tp all-reduce')))" 2>/dev/null)
+if grep -q "tensor-parallel all-reduce" "$TMP/status.txt" && [ "${slices:-0}" -gt 0 ]; then
+  ok "the group's all-reduces: in each rank's breakdown, $slices slices in the trace"
+else
+  bad "tp all-reduce: status $(grep -c "tensor-parallel all-reduce" "$TMP/status.txt"), trace slices '${slices}'"
+fi
 grid=$(ctl workers --output json | /usr/bin/python3 -c \
   "import json,sys; print(sorted((w.get('tp_rank', 0), w.get('rank', 0)) for w in json.load(sys.stdin)['workers']))")
 [ "$grid" = "[(0, 0), (0, 1), (1, 0), (1, 1)]" ] && ok "workers: shard x rank $grid" || bad "workers grid: $grid"
