@@ -400,6 +400,8 @@ std::vector<RankSend> Coordinator::PlaceOnIdleWorkers(JobRun& run, NoFit* no_fit
     if (no_fit != nullptr) no_fit->insert(need);
     return {};
   }
+  chosen = GroupByHost(chosen, run.ranks_per_replica(), run.tensor_parallel(),
+                       [this](const std::string& id) { return workers_->Find(id)->info.host(); });
   std::vector<JobRun::PlacedWorker> placed;
   for (const std::string& wid : chosen) {
     const WorkerRegistry::Worker& w = *workers_->Find(wid);

@@ -427,7 +427,6 @@ std::optional<CompletedStep> JobRun::OnStepReport(const StepReport& report) {
 }
 
 JobRun::RankOutcome JobRun::OnRankFinished(const RankFinished& f, const std::string& worker_name) {
-  const int P = std::max(1, ranks_per_replica());
   const auto code = static_cast<absl::StatusCode>(f.code());
   const std::string what = absl::StrCat("rank ", f.rank(), layout_.replicas() > 1 ? absl::StrCat(" of replica ", f.replica()) : "",
                                         tensor_parallel() > 1 ? absl::StrCat(" (shard ", f.tp_rank(), ")") : "",

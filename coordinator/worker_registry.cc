@@ -100,6 +100,39 @@ std::vector<WorkerInfo> WorkerRegistry::List() const {
   return out;
 }
 
+std::vector<std::string> GroupByHost(const std::vector<std::string>& chosen, int ranks, int tp,
+                                     const std::function<std::string(const std::string&)>& host_of) {
+  if (tp <= 1 || ranks <= 0 || chosen.size() % static_cast<size_t>(ranks * tp) != 0) return chosen;
+  std::map<std::string, std::vector<std::string>> left;  // host -> its workers, in chosen order
+  for (const std::string& id : chosen) left[host_of(id)].push_back(id);
+  auto take = [&left](const std::string& host) {
+    std::vector<std::string>& ids = left[host];
+    std::string id = ids.front();
+    ids.erase(ids.begin());
+    return id;
+  };
+  std::vector<std::string> out(chosen.size());
+  const int replicas = static_cast<int>(chosen.size()) / (ranks * tp);
+  for (int replica = 0; replica < replicas; ++replica) {
+    for (int rank = 0; rank < ranks; ++rank) {
+      std::string whole;  // the host with the most workers left that holds the whole group
+      for (const auto& [host, ids] : left) {
+        if (static_cast<int>(ids.size()) >= tp && (whole.empty() || ids.size() > left[whole].size())) whole = host;
+      }
+      for (int t = 0; t < tp; ++t) {
+        std::string host = whole;
+        if (host.empty()) {  // no host holds it: the fullest host, each time
+          for (const auto& [h, ids] : left) {
+            if (!ids.empty() && (host.empty() || ids.size() > left[host].size())) host = h;
+          }
+        }
+        out[static_cast<size_t>((replica * tp + t) * ranks + rank)] = take(host);
+      }
+    }
+  }
+  return out;
+}
+
 std::vector<std::string> WorkerRegistry::Fit(const std::vector<int64_t>& need) const {
   std::vector<std::string> free = IdleIds();
   if (need.empty() || free.size() < need.size()) return {};

@@ -9,6 +9,7 @@
 #define PIPPY_COORDINATOR_WORKER_REGISTRY_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -23,6 +24,15 @@
 #include "proto/coordinator.pb.h"
 
 namespace pippy::coordinator {
+
+// Tensor parallelism: `chosen` (workers by global rank, (replica * tp + shard) * ranks +
+// rank) reordered so that each tensor-parallel group (the tp workers of one replica and
+// rank) is on one host wherever the hosts' workers allow, its all-reduces then staying on
+// the host; each group, in (replica, rank) order, takes the host with the most workers
+// left that can hold all of it, else the fullest hosts in turn. `host_of(id)`: a worker's
+// host. Returns `chosen` itself for tp <= 1.
+std::vector<std::string> GroupByHost(const std::vector<std::string>& chosen, int ranks, int tp,
+                                     const std::function<std::string(const std::string&)>& host_of);
 
 class WorkerRegistry {
  public:
