@@ -62,6 +62,17 @@ if grep -q "tensor parallel: 2 ranks per stage" "$TMP/status.txt" && grep -q "sh
 else
   bad "status: $(cat "$TMP/status.txt")"
 fi
+# Its checkpoint (the state after the last step, each shard's stages linked in) merges to
+# the same model.
+if ctl fetch "$last_job" --checkpoint -o "$TMP/ckpt.pt" > /dev/null 2> "$TMP/ckpt.err" &&
+   /usr/bin/python3 -c "
+import sys, torch
+a = dict(torch.jit.load('$TMP/tp_1f1b.pt').named_parameters()); b = dict(torch.jit.load('$TMP/ckpt.pt').named_parameters())
+sys.exit(0 if a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a) else 1)"; then
+  ok "fetch --checkpoint gathers the shards into the same model bitwise"
+else
+  bad "fetch --checkpoint: $(cat "$TMP/ckpt.err")"
+fi
 ctl trace "$last_job" -o "$TMP/trace.json" > /dev/null 2>&1
 slices=$(/usr/bin/python3 -c "import json; print(sum(1 for e in json.load(open('$TMP/trace.json'))['traceEvents'] if e.get('name', '').startswith('tp all-reduce')))" 2>/dev/null)
 if grep -q "tensor-parallel all-reduce" "$TMP/status.txt" && [ "${slices:-0}" -gt 0 ]; then
