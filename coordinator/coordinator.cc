@@ -400,8 +400,10 @@ std::vector<RankSend> Coordinator::PlaceOnIdleWorkers(JobRun& run, NoFit* no_fit
     if (no_fit != nullptr) no_fit->insert(need);
     return {};
   }
+  std::map<std::string, std::string> host_of;
+  for (const std::string& wid : chosen) host_of[wid] = workers_->Find(wid)->info.host();
   chosen = GroupByHost(chosen, run.ranks_per_replica(), run.tensor_parallel(),
-                       [this](const std::string& id) { return workers_->Find(id)->info.host(); });
+                       [&host_of](const std::string& id) { return host_of.at(id); });
   std::vector<JobRun::PlacedWorker> placed;
   for (const std::string& wid : chosen) {
     const WorkerRegistry::Worker& w = *workers_->Find(wid);
