@@ -9,7 +9,6 @@
 #include "common/log.h"
 #include "coordinator/child_process.h"
 #include "common/status.h"
-#include "common/torch_status.h"
 #include "pipeline/partition/merge.h"
 #include "pipeline/tensor_parallel/sharding.h"
 #include "pipeline/torchio/model_io.h"
@@ -23,53 +22,44 @@ std::string ResultIn(const std::string& dir, int stage) { return absl::StrCat(di
 std::string AssembledIn(const std::string& dir) { return dir + "/assembled.pt"; }
 std::string PlanIn(const std::string& dir) { return dir + "/tp_plan.pb"; }
 
-// Tensor parallelism: each stage's shards gathered into one stage file with the whole
-// tensors, DIR/gathered_<s>.pt (one stage's shards in memory at a time).
-absl::Status GatherShardsIn(const std::string& dir, const PipelinePlan& plan, std::map<int, std::string>* results) {
-  const int T = plan.tensor_parallel().size();
-  for (const StagePlan& sp : plan.stages()) {
-    const int s = sp.index();
+// Tensor parallelism: stage s's tensors gathered from its shards, DIR/result_<s * T + t>.pt
+// (one stage's shards in memory at a time).
+partition::StageSource GatheredShards(const std::string& dir, const PipelinePlan& plan) {
+  return [dir, plan](int s) -> absl::StatusOr<partition::StageTensors> {
+    const int T = plan.tensor_parallel().size();
     std::vector<torch::jit::Module> shards;
     for (int t = 0; t < T; ++t) {
       PIPPY_ASSIGN_OR_RETURN(torch::jit::Module m, torchio::LoadModel(ResultIn(dir, s * T + t)));
       shards.push_back(m);
     }
-    PIPPY_ASSIGN_OR_RETURN(auto whole, tp::GatherShards(sp, shards));
-    const std::string path = absl::StrCat(dir, "/gathered_", s, ".pt");
-    PIPPY_RETURN_IF_ERROR(TorchCall(absl::StrCat("writing stage ", s, " gathered from its shards"), [&] {
-      torch::jit::Module m = shards[0];
-      for (const auto& [name, tensor] : whole) {
-        torch::jit::Module owner = m;
-        std::string leaf = name;
-        for (auto dot = leaf.find('.'); dot != std::string::npos; dot = leaf.find('.')) {
-          owner = owner.attr(leaf.substr(0, dot)).toModule();
-          leaf = leaf.substr(dot + 1);
-        }
-        owner.setattr(leaf, tensor);
-      }
-      m.save(path);
-    }, absl::StatusCode::kInternal));
-    (*results)[s] = path;
-  }
-  return absl::OkStatus();
+    PIPPY_ASSIGN_OR_RETURN(auto whole, tp::GatherShards(plan.stages(s), shards));
+    return partition::StageTensors(whole.begin(), whole.end());
+  };
 }
 
 absl::Status MergeHere(const std::string& dir, int stages) {
-  std::map<int, std::string> results;
   PipelinePlan plan;
   if (ArtifactStore::FileSize(PlanIn(dir)) > 0) {
     std::ifstream in(PlanIn(dir), std::ios::binary);
     if (!plan.ParseFromIstream(&in)) return absl::DataLossError(absl::StrCat("cannot read ", PlanIn(dir)));
   }
+  std::vector<int> indices;
+  partition::StageSource source;
   if (plan.tensor_parallel().size() > 1) {
-    PIPPY_RETURN_IF_ERROR(GatherShardsIn(dir, plan, &results));
+    for (int st = 0; st < plan.stages_size(); ++st) indices.push_back(st);
+    source = GatheredShards(dir, plan);
   } else {
-    for (int st = 0; st < stages; ++st) results[st] = ResultIn(dir, st);
+    std::map<int, std::string> results;
+    for (int st = 0; st < stages; ++st) {
+      indices.push_back(st);
+      results[st] = ResultIn(dir, st);
+    }
+    source = partition::StageFiles(results);
   }
   // Record by record where the model's tensors each own their storage; else whole.
-  absl::Status merged = partition::MergeStagesByRecords(ModelIn(dir), results, AssembledIn(dir));
+  absl::Status merged = partition::MergeStagesByRecords(ModelIn(dir), indices, source, AssembledIn(dir));
   if (!absl::IsUnimplemented(merged)) return merged;
-  return partition::MergeStagesIntoModel(ModelIn(dir), results, AssembledIn(dir));
+  return partition::MergeStagesIntoModel(ModelIn(dir), indices, source, AssembledIn(dir));
 }
 
 absl::Status MergeInChild(const std::string& dir, int stages, const AssembleOptions& options) {

@@ -38,10 +38,38 @@ absl::Status CopyInto(torch::jit::Module& model, const std::string& name, const 
   return absl::OkStatus();
 }
 
+std::vector<int> Indices(const std::map<int, std::string>& stage_paths) {
+  std::vector<int> out;
+  for (const auto& entry : stage_paths) out.push_back(entry.first);
+  return out;
+}
+
 }  // namespace
+
+StageSource StageFiles(const std::map<int, std::string>& stage_paths) {
+  return [stage_paths](int index) -> absl::StatusOr<StageTensors> {
+    auto path = stage_paths.find(index);
+    if (path == stage_paths.end()) return absl::InternalError(absl::StrCat("no file for stage ", index));
+    PIPPY_ASSIGN_OR_RETURN(torch::jit::Module stage, torchio::LoadModel(path->second));
+    StageTensors tensors;
+    for (const auto& p : stage.named_parameters(true)) tensors.emplace_back(p.name, p.value);
+    for (const auto& b : stage.named_buffers(true)) tensors.emplace_back(b.name, b.value);
+    return tensors;
+  };
+}
 
 absl::Status MergeStagesByRecords(const std::string& model_path, const std::map<int, std::string>& stage_paths,
                                   const std::string& out_path) {
+  return MergeStagesByRecords(model_path, Indices(stage_paths), StageFiles(stage_paths), out_path);
+}
+
+absl::Status MergeStagesIntoModel(const std::string& model_path, const std::map<int, std::string>& stage_paths,
+                                  const std::string& out_path) {
+  return MergeStagesIntoModel(model_path, Indices(stage_paths), StageFiles(stage_paths), out_path);
+}
+
+absl::Status MergeStagesByRecords(const std::string& model_path, const std::vector<int>& stages,
+                                  const StageSource& source, const std::string& out_path) {
   absl::StatusOr<std::unique_ptr<torchio::ModelRecords>> opened = torchio::ModelRecords::Open(model_path, "model");
   if (!opened.ok()) return absl::UnimplementedError(opened.status().message());
   torchio::ModelRecords& records = **opened;
@@ -67,12 +95,9 @@ absl::Status MergeStagesByRecords(const std::string& model_path, const std::map<
     caffe2::serialize::PyTorchStreamWriter out(tmp);
     out.setMinVersion(in.version());
     std::set<int64_t> written;
-    for (const auto& [index, path] : stage_paths) {
+    for (int index : stages) {
       // One trained stage at a time.
-      PIPPY_ASSIGN_OR_RETURN(torch::jit::Module stage, torchio::LoadModel(path));
-      std::vector<std::pair<std::string, at::Tensor>> tensors;
-      for (const auto& p : stage.named_parameters(true)) tensors.emplace_back(p.name, p.value);
-      for (const auto& b : stage.named_buffers(true)) tensors.emplace_back(b.name, b.value);
+      PIPPY_ASSIGN_OR_RETURN(StageTensors tensors, source(index));
       for (const auto& [name, value] : tensors) {
         auto target = by_name.find(name);
         if (target == by_name.end()) {
@@ -109,18 +134,15 @@ absl::Status MergeStagesByRecords(const std::string& model_path, const std::map<
   return s;
 }
 
-absl::Status MergeStagesIntoModel(const std::string& model_path, const std::map<int, std::string>& stage_paths,
-                                  const std::string& out_path) {
+absl::Status MergeStagesIntoModel(const std::string& model_path, const std::vector<int>& stages,
+                                  const StageSource& source, const std::string& out_path) {
   PIPPY_ASSIGN_OR_RETURN(torch::jit::Module model, torchio::LoadModel(model_path));
-  for (const auto& entry : stage_paths) {
-    const int index = entry.first;
-    const std::string& path = entry.second;
-    // One stage at a time: it is released before the next is loaded.
-    PIPPY_ASSIGN_OR_RETURN(torch::jit::Module stage, torchio::LoadModel(path));
+  for (int index : stages) {
+    // One stage at a time: it is released before the next is read.
+    PIPPY_ASSIGN_OR_RETURN(StageTensors tensors, source(index));
     PIPPY_RETURN_IF_ERROR(TorchCall(absl::StrCat("merging trained stage ", index), [&]() -> absl::Status {
       torch::NoGradGuard no_grad;
-      for (const auto& p : stage.named_parameters(true)) PIPPY_RETURN_IF_ERROR(CopyInto(model, p.name, p.value, index));
-      for (const auto& b : stage.named_buffers(true)) PIPPY_RETURN_IF_ERROR(CopyInto(model, b.name, b.value, index));
+      for (const auto& [name, value] : tensors) PIPPY_RETURN_IF_ERROR(CopyInto(model, name, value, index));
       return absl::OkStatus();
     }));
   }

@@ -3,12 +3,33 @@
 #ifndef PIPPY_PIPELINE_PARTITION_MERGE_H_
 #define PIPPY_PIPELINE_PARTITION_MERGE_H_
 
+#include <functional>
 #include <map>
 #include <string>
+#include <utility>
+#include <vector>
 
+#include "ATen/core/Tensor.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace pippy::partition {
+
+// A trained stage's parameters and buffers, by their names in the model.
+using StageTensors = std::vector<std::pair<std::string, at::Tensor>>;
+// Stage `index`'s tensors, asked for one stage at a time (each released before the next):
+// read from its TorchScript file (StageFiles), or put together otherwise (tensor
+// parallelism gathers a stage's shards).
+using StageSource = std::function<absl::StatusOr<StageTensors>(int index)>;
+
+// The source reading stage_paths[index] (its module's parameters and buffers).
+StageSource StageFiles(const std::map<int, std::string>& stage_paths);
+
+// As below, the stages (their indices, in order) from `source`.
+absl::Status MergeStagesIntoModel(const std::string& model_path, const std::vector<int>& stages,
+                                  const StageSource& source, const std::string& out_path);
+absl::Status MergeStagesByRecords(const std::string& model_path, const std::vector<int>& stages,
+                                  const StageSource& source, const std::string& out_path);
 
 // `model_path`: the submitted model; `stage_paths`: stage index -> TorchScript file of
 // the trained stage. Every parameter and buffer of every stage is copied into the
