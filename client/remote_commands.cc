@@ -18,6 +18,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -243,7 +244,26 @@ void PrintJob(const Job& j) {
     }
     std::cout << "  stage edges: " << absl::StrJoin(edges, ", ") << "\n";
   }
-  if (j.spec().has_serving()) {
+  if (j.spec().has_serving() && j.spec().serving().has_generation()) {
+    const ServingSpec& sv = j.spec().serving();
+    const GenerationSpec& gs = sv.generation();
+    const GenerationStats& st = j.serving().generation();
+    std::cout << absl::StrFormat("  generation: %d slots of %d positions, prefill chunks of %d tokens, up to %d "
+                                 "sequences per micro-batch, %d micro-batches in the pipeline\n",
+                                 gs.max_slots(), gs.max_seq(), gs.prefill_chunk(), sv.max_batch(),
+                                 sv.max_inflight() > 0 ? sv.max_inflight() : j.plan().stages_size())
+              << absl::StrFormat("  slots in use %d/%d, waiting %d; sequences %d (%d failed), tokens %d (prompt %d); "
+                                 "%.1f tokens/s (last 10 s)\n",
+                                 st.slots_in_use(), st.max_slots(), st.waiting(), st.sequences(), st.failed(),
+                                 st.tokens(), st.prompt_tokens(), st.tokens_per_second())
+              << absl::StrFormat("  micro-batches: %d prefill, %d decode (%.1f sequences each)\n",
+                                 st.prefill_microbatches(), st.decode_microbatches(), st.mean_decode_rows());
+    if (st.tokens() > 0) {
+      std::cout << absl::StrFormat("  time to first token p50 %.1f ms, p99 %.1f ms; inter-token p50 %.1f ms, p99 %.1f "
+                                   "ms\n",
+                                   st.ttft_p50_ms(), st.ttft_p99_ms(), st.itl_p50_ms(), st.itl_p99_ms());
+    }
+  } else if (j.spec().has_serving()) {
     const ServingSpec& sv = j.spec().serving();
     const ServingStats& st = j.serving();
     std::cout << "  serving: micro-batches of up to " << sv.max_batch() << " rows or " << sv.max_delay_ms()
@@ -827,9 +847,11 @@ void AddSubmit(CLI::App& root, const GlobalFlags& g, int* exit_code) {
 struct ServeFlags {
   std::string model, data, synthetic, name, dtype = "fp32";
   SplitFlags split;
-  int max_batch = 0, max_inflight = 0;
+  int max_batch = 0, max_inflight = 0, max_queued = 0;
   std::optional<int> max_delay_ms;
   uint64_t seed = 0;
+  bool generate = false;
+  int max_slots = 0, max_seq = 0, prefill_chunk = 0;
   bool wait = false;
   double wait_timeout_s = 600;
 };
@@ -845,6 +867,16 @@ int RunServe(const ServeFlags& f, const GlobalFlags& g) {
   sv->set_max_batch(f.max_batch);
   if (f.max_delay_ms) sv->set_max_delay_ms(*f.max_delay_ms);
   sv->set_max_inflight(f.max_inflight);
+  sv->set_max_queued(f.max_queued);
+  if (f.generate) {
+    GenerationSpec* gen = sv->mutable_generation();
+    gen->set_max_slots(f.max_slots);
+    gen->set_max_seq(f.max_seq);
+    gen->set_prefill_chunk(f.prefill_chunk);
+  } else if (f.max_slots > 0 || f.max_seq > 0 || f.prefill_chunk > 0) {
+    return Fail(kProgram, absl::InvalidArgumentError("--max-slots, --max-seq and --prefill-chunk are a generation "
+                                                     "job's: add --generate"));
+  }
   if (!f.data.empty()) spec.mutable_data()->set_file(std::filesystem::path(f.data).filename().string());
   spec.mutable_data()->set_synthetic(f.synthetic);
   spec.set_seed(f.seed);
@@ -914,6 +946,22 @@ void AddServe(CLI::App& root, const GlobalFlags& g, int* exit_code) {
                   "micro-batches in the pipeline at most: one per stage as soon as due, more only full (default: stages "
                   "+ 1; 1: one at a time)")
       ->check(CLI::Range(1, 1024));
+  cmd->add_option("--max-queued", f->max_queued, "requests waiting at once; more are refused (RESOURCE_EXHAUSTED; "
+                                                 "default 4096)")
+      ->check(CLI::Range(1, 1000000));
+  cmd->add_flag("--generate", f->generate,
+                "a generation job: the model follows the generation contract (forward(idx, input_pos, slots) with KV "
+                "caches as buffers [max_slots, heads, max_seq, head_dim]; docs/api.md#generation) and the job answers "
+                "pippyctl generate / Generate with tokens streamed as they are sampled; --example is an (idx, "
+                "input_pos, slots) tuple");
+  cmd->add_option("--max-slots", f->max_slots,
+                  "generation: sequences in the pipeline at once (default: the caches' dim 0)")
+      ->check(CLI::Range(1, 65536));
+  cmd->add_option("--max-seq", f->max_seq, "generation: positions per sequence (default: the caches' dim 2)")
+      ->check(cli::Positive());
+  cmd->add_option("--prefill-chunk", f->prefill_chunk,
+                  "generation: prompt tokens per prefill micro-batch, between which decodes go on (default 64)")
+      ->check(CLI::Range(1, 65536));
   cmd->add_option("--name", f->name, "the job's name, by which pippyctl infer finds it (default: the model file's)");
   cmd->add_option("--seed", f->seed, "seeds each rank's random number generator")->capture_default_str();
   cmd->add_flag("--wait", f->wait, "return once the job is SERVING (exit 1 if it failed first)");
@@ -953,6 +1001,112 @@ int RunInfer(const std::string& job, const std::string& input, const std::string
                                  absl::StrCat(" -> ", out));
   }
   return kExitOk;
+}
+
+struct GenerateFlags {
+  std::string job, prompt_file, tokens;
+  int max_new_tokens = 16;
+  float temperature = 0, top_p = 0;
+  int top_k = 0;
+  std::optional<uint64_t> seed;
+  std::vector<int64_t> stop_tokens;
+  double timeout_s = 300;
+};
+
+// Prints the tokens as they come (space-separated, one line), then a summary on stderr.
+int RunGenerate(const GenerateFlags& f, const GlobalFlags& g) {
+  GenerateRequest req;
+  req.set_job(f.job);
+  if (!f.prompt_file.empty()) {
+    std::ifstream in(f.prompt_file, std::ios::binary);
+    if (!in) return Fail(kProgram, absl::NotFoundError(absl::StrCat("cannot open '", f.prompt_file, "'")));
+    req.set_prompt(std::string(std::istreambuf_iterator<char>(in), {}));
+  } else {
+    for (absl::string_view t : absl::StrSplit(f.tokens, ',', absl::SkipWhitespace())) {
+      int64_t v = 0;
+      if (!absl::SimpleAtoi(t, &v)) {
+        return Fail(kProgram, absl::InvalidArgumentError(absl::StrCat("--tokens: '", t, "' is not a token id; give "
+                                                                      "comma-separated integers (1,2,3)")));
+      }
+      req.add_tokens(v);
+    }
+    if (req.tokens_size() == 0) {
+      return Fail(kProgram, absl::InvalidArgumentError("--tokens: empty; give comma-separated token ids"));
+    }
+  }
+  req.set_max_new_tokens(f.max_new_tokens);
+  req.set_temperature(f.temperature);
+  req.set_top_k(f.top_k);
+  req.set_top_p(f.top_p);
+  if (f.seed) req.set_seed(*f.seed);
+  for (int64_t t : f.stop_tokens) req.add_stop_tokens(t);
+  auto stub = Connect(g);
+  grpc::ClientContext ctx;
+  Authorize(&ctx, g);
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::milliseconds(static_cast<int64_t>(f.timeout_s * 1000)));
+  const absl::Time start = absl::Now();
+  std::unique_ptr<grpc::ClientReader<GenerateResponse>> reader = stub->Generate(&ctx, req);
+  GenerateResponse resp, last;
+  std::vector<int64_t> all;
+  uint64_t seed = 0;
+  bool first = true;
+  while (reader->Read(&resp)) {
+    if (first) seed = resp.seed();
+    for (int64_t t : resp.tokens()) {
+      if (g.output != "json") std::cout << (all.empty() ? "" : " ") << t << std::flush;
+      all.push_back(t);
+    }
+    first = false;
+    last = resp;
+  }
+  grpc::Status s = reader->Finish();
+  if (g.output != "json" && !all.empty()) std::cout << std::endl;
+  if (!s.ok()) return Fail(kProgram, FromGrpc(s, g.coordinator));
+  const double ms = absl::ToDoubleMilliseconds(absl::Now() - start);
+  if (g.output == "json") {
+    GenerateResponse summary = last;
+    summary.clear_tokens();
+    for (int64_t t : all) summary.add_tokens(t);
+    summary.set_seed(seed);
+    std::cout << Json(summary) << std::endl;
+  } else {
+    std::cerr << absl::StrFormat("%d tokens in %.1f ms (first after %.1f ms; %s; seed %d)\n", all.size(), ms,
+                                 last.ttft_ms(), last.finish_reason(), seed);
+  }
+  return kExitOk;
+}
+
+void AddGenerate(CLI::App& root, const GlobalFlags& g, int* exit_code) {
+  auto f = std::make_shared<GenerateFlags>();
+  CLI::App* cmd = root.add_subcommand(
+      "generate", "Generate tokens from a prompt with a generation job (pippyctl serve --generate): prints the token "
+                  "ids as they are sampled, then a summary on stderr. Greedy unless --temperature is given.");
+  cmd->fallthrough();
+  cmd->add_option("JOB", f->job, "the generation job's id or name")->required();
+  auto* file = cmd->add_option("--prompt-file", f->prompt_file,
+                               "the prompt: torch.save of a 1-D integer tensor or a list of token ids")
+                   ->check(CLI::ExistingFile);
+  auto* tokens = cmd->add_option("--tokens", f->tokens, "the prompt as comma-separated token ids (1,2,3)");
+  file->excludes(tokens);
+  cmd->add_option("--max-new-tokens", f->max_new_tokens, "tokens to generate at most")
+      ->check(cli::Positive())->capture_default_str();
+  cmd->add_option("--temperature", f->temperature, "sampling temperature (0: greedy)")
+      ->check(CLI::Range(0.0, 100.0))->capture_default_str();
+  cmd->add_option("--top-k", f->top_k, "sample among the k likeliest tokens (0: all)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--top-p", f->top_p, "sample among the likeliest tokens whose probabilities reach p (0: all)")
+      ->check(CLI::Range(0.0, 1.0));
+  cmd->add_option("--seed", f->seed, "seeds the sampling: the same seed gives the same tokens (default: random)");
+  cmd->add_option("--stop-token", f->stop_tokens, "a token id that ends the sequence (it is printed); repeatable");
+  cmd->add_option("--timeout-s", f->timeout_s, "the request's deadline (its slot is freed when it passes)")
+      ->check(cli::Positive())->capture_default_str();
+  cmd->callback([f, &g, exit_code] {
+    if (f->prompt_file.empty() && f->tokens.empty()) {
+      *exit_code = Fail(kProgram, absl::InvalidArgumentError("give the prompt: --tokens 1,2,3 or --prompt-file F"));
+      return;
+    }
+    *exit_code = RunGenerate(*f, g);
+  });
 }
 
 // ---- list, workers, status, cancel, watch, fetch --------------------------------
@@ -1177,6 +1331,25 @@ std::string ChromeTrace(const StepTrace& t) {
   std::vector<std::string> events;
   auto quoted = [](const std::string& s) { return absl::StrCat("\"", absl::CEscape(s), "\""); };
   for (const RankTrace& r : t.ranks()) {
+    if (r.rank() < 0) {
+      // A generation job's micro-batches as the coordinator saw them: one lane per
+      // micro-batch in flight, each from its dispatch to its sampled tokens' return.
+      events.push_back(absl::StrFormat(
+          R"({"name": "process_name", "ph": "M", "pid": 1000, "tid": 0, "args": {"name": %s}})",
+          quoted("coordinator: generation micro-batches in the pipeline (dispatch to sampled tokens)")));
+      for (int lane : r.stages()) {
+        events.push_back(absl::StrFormat(
+            R"({"name": "thread_name", "ph": "M", "pid": 1000, "tid": %d, "args": {"name": "in flight #%d"}})",
+            lane + 1, lane + 1));
+      }
+      for (const TraceEvent& e : r.events()) {
+        events.push_back(absl::StrFormat(
+            R"({"name": %s, "cat": "%s", "ph": "X", "ts": %d, "dur": %d, "pid": 1000, "tid": %d})", quoted(e.name()),
+            absl::StartsWith(e.name(), "prefill") ? "prefill" : "decode", wall(r, e) - origin,
+            std::max<int64_t>(e.duration_us(), 1), e.stage() + 1));
+      }
+      continue;
+    }
     events.push_back(absl::StrFormat(
         R"({"name": "process_name", "ph": "M", "pid": %d, "tid": 0, "args": {"name": %s}})", r.rank(),
         quoted(absl::StrCat("rank ", r.rank(), " (worker ", r.worker(), ")"))));
@@ -1279,6 +1452,7 @@ int RunHealth(const std::string& target, const std::string& service, double time
 void AddRemoteCommands(CLI::App& root, const GlobalFlags& globals, int* exit_code) {
   AddSubmit(root, globals, exit_code);
   AddServe(root, globals, exit_code);
+  AddGenerate(root, globals, exit_code);
   const GlobalFlags* g = &globals;
   auto infer = std::make_shared<std::tuple<std::string, std::string, std::string, double>>("", "", "", 60.0);
   CLI::App* infer_cmd = root.add_subcommand(

@@ -626,7 +626,7 @@ void Coordinator::OnRankMessage(WorkerRegistry::Worker& w, const WorkerMessage& 
 }
 
 void Coordinator::OnServeResult(const std::string& worker_id, const ServeResult& result) {
-  std::shared_ptr<ServingQueue> queue;
+  std::shared_ptr<RequestQueue> queue;
   {
     absl::MutexLock lock(&mu_);
     JobRun* run = Find(result.job_id());

@@ -156,6 +156,12 @@ class Coordinator {
   // that is not a serving job or has ended; ServingQueue::Submit's.
   absl::Status Infer(const std::string& job, std::string input, ServingQueue::Done done,
                      std::shared_ptr<const std::atomic<bool>> cancelled = nullptr);
+  // One prompt to a generation job (pippyctl serve --generate), found as Infer finds a
+  // serving job; its tokens come through `on_event` (see GenerationQueue). Errors:
+  // NOT_FOUND; FAILED_PRECONDITION for a job that is not a generation job or has
+  // ended; GenerationQueue::Submit's.
+  absl::Status Generate(const std::string& job, GenerationQueue::Request request, GenerationQueue::OnEvent on_event,
+                        std::shared_ptr<const std::atomic<bool>> cancelled = nullptr);
 
   // Prometheus text exposition of the coordinator's state (coordinator_metrics.h), for
   // --metrics-port.
@@ -217,6 +223,10 @@ class Coordinator {
   // The job records and layouts found at start-up.
   void RestoreJobs() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   JobRun* Find(const std::string& job_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The queue of the serving (or generation) job `job` (an id, or the newest serving job
+  // so named), for Infer and Generate.
+  absl::StatusOr<std::shared_ptr<RequestQueue>> ServingQueueOf(const std::string& job, bool generation)
+      ABSL_LOCKS_EXCLUDED(mu_);
   void AddJob(std::unique_ptr<JobRun> run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Forgets an ended job (its record too); its files are the caller's to remove, after
   // the mutex is released (artifacts_->RemoveAllOf).

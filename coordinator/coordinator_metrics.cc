@@ -104,6 +104,34 @@ void Serving(const MetricsSnapshot& snapshot, metrics::Exposition& x) {
   for (const auto& s : serving) x.Sample("pippy_serving_inflight_microbatches", {{"job", s.job_id}}, s.stats.inflight());
   x.Family("pippy_serving_request_seconds", "histogram", "Request latency: arrival at the coordinator to answer");
   for (const auto& s : serving) x.HistogramSamples("pippy_serving_request_seconds", {{"job", s.job_id}}, s.latency_seconds);
+  const auto& generation = snapshot.generation;
+  x.Family("pippy_generation_tokens_total", "counter", "Tokens a generation job sampled");
+  for (const auto& g : generation) x.Sample("pippy_generation_tokens_total", {{"job", g.job_id}}, static_cast<double>(g.stats.tokens()));
+  x.Family("pippy_generation_prompt_tokens_total", "counter", "Prompt tokens a generation job prefilled");
+  for (const auto& g : generation) {
+    x.Sample("pippy_generation_prompt_tokens_total", {{"job", g.job_id}}, static_cast<double>(g.stats.prompt_tokens()));
+  }
+  x.Family("pippy_generation_sequences_total", "counter", "Sequences a generation job ended, by outcome");
+  for (const auto& g : generation) {
+    x.Sample("pippy_generation_sequences_total", {{"job", g.job_id}, {"outcome", "ok"}},
+             static_cast<double>(g.stats.sequences() - g.stats.failed()));
+    x.Sample("pippy_generation_sequences_total", {{"job", g.job_id}, {"outcome", "error"}},
+             static_cast<double>(g.stats.failed()));
+  }
+  x.Family("pippy_generation_tokens_per_second", "gauge", "Tokens sampled per second over the last 10 s");
+  for (const auto& g : generation) x.Sample("pippy_generation_tokens_per_second", {{"job", g.job_id}}, g.stats.tokens_per_second());
+  x.Family("pippy_generation_slots_in_use", "gauge", "KV-cache slots holding a sequence");
+  for (const auto& g : generation) x.Sample("pippy_generation_slots_in_use", {{"job", g.job_id}}, g.stats.slots_in_use());
+  x.Family("pippy_generation_slots", "gauge", "KV-cache slots of a generation job");
+  for (const auto& g : generation) x.Sample("pippy_generation_slots", {{"job", g.job_id}}, g.stats.max_slots());
+  x.Family("pippy_generation_waiting_requests", "gauge", "Requests waiting for a slot");
+  for (const auto& g : generation) x.Sample("pippy_generation_waiting_requests", {{"job", g.job_id}}, g.stats.waiting());
+  x.Family("pippy_generation_time_to_first_token_seconds", "histogram", "Arrival at the coordinator to the first token");
+  for (const auto& g : generation) {
+    x.HistogramSamples("pippy_generation_time_to_first_token_seconds", {{"job", g.job_id}}, g.ttft_seconds);
+  }
+  x.Family("pippy_generation_inter_token_seconds", "histogram", "Between consecutive tokens of a sequence");
+  for (const auto& g : generation) x.HistogramSamples("pippy_generation_inter_token_seconds", {{"job", g.job_id}}, g.itl_seconds);
 }
 
 }  // namespace

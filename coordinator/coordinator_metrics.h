@@ -47,6 +47,13 @@ struct MetricsSnapshot {
     metrics::Histogram latency_seconds{{}};
   };
   std::vector<Serving> serving;           // serving jobs that have not ended
+  struct Generation {
+    std::string job_id;
+    GenerationStats stats;
+    metrics::Histogram ttft_seconds{{}};
+    metrics::Histogram itl_seconds{{}};
+  };
+  std::vector<Generation> generation;     // generation jobs that have not ended
 };
 
 class CoordinatorMetrics {

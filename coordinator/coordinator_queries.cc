@@ -227,43 +227,65 @@ absl::StatusOr<StepTrace> Coordinator::GetTrace(const std::string& job_id, int s
   });
 }
 
-absl::Status Coordinator::Infer(const std::string& job, std::string input, ServingQueue::Done done,
-                               std::shared_ptr<const std::atomic<bool>> cancelled) {
-  std::shared_ptr<ServingQueue> queue;
-  {
-    absl::MutexLock lock(&mu_);
-    const JobRun* found = Find(job);
-    if (found == nullptr) {
-      // By name: the newest serving job so named that has not ended, else the newest.
-      for (const auto& [id, run] : jobs_) {
-        if (run->job().spec().name() != job || !run->job().spec().has_serving()) continue;
-        const bool better = found == nullptr || (found->ended() && !run->ended()) ||
-                            (found->ended() == run->ended() &&
-                             run->job().created_unix_ms() >= found->job().created_unix_ms());
-        if (better) found = run.get();
-      }
-    }
-    if (found == nullptr) {
-      return absl::NotFoundError(absl::StrCat("no serving job '", job,
-                                              "' (pippyctl list shows the jobs; pippyctl serve starts one)"));
-    }
-    if (!found->job().spec().has_serving()) {
-      return absl::FailedPreconditionError(absl::StrCat("job ", found->id(), " is not a serving job (pippyctl "
-                                                        "serve starts one; inference jobs read a data file)"));
-    }
-    if (found->ended()) {
-      return absl::FailedPreconditionError(absl::StrCat("serving job ", found->id(), " ended (",
-                                                        JobState_Name(found->state()), ": ", found->job().reason(),
-                                                        "); serve the model again"));
-    }
-    queue = found->serving();
-    if (queue == nullptr) {  // a detached submission not yet prepared
-      return absl::UnavailableError(absl::StrCat("serving job ", found->id(), " is ", JobState_Name(found->state()),
-                                                 ": it takes requests once it is SERVING (pippyctl serve --wait "
-                                                 "waits for that)"));
+absl::StatusOr<std::shared_ptr<RequestQueue>> Coordinator::ServingQueueOf(const std::string& job, bool generation) {
+  const char* kind = generation ? "generation" : "serving";
+  absl::MutexLock lock(&mu_);
+  const JobRun* found = Find(job);
+  // By name: the newest serving job so named that has not ended, else the newest; of
+  // the kind asked for if there is one (else the other kind's, refused below).
+  for (int pass = 0; pass < 2 && found == nullptr; ++pass) {
+    for (const auto& [id, run] : jobs_) {
+      if (run->job().spec().name() != job || !run->job().spec().has_serving()) continue;
+      if (pass == 0 && run->job().spec().serving().has_generation() != generation) continue;
+      const bool better = found == nullptr || (found->ended() && !run->ended()) ||
+                          (found->ended() == run->ended() &&
+                           run->job().created_unix_ms() >= found->job().created_unix_ms());
+      if (better) found = run.get();
     }
   }
-  return queue->Submit(std::move(input), std::move(done), std::move(cancelled));
+  if (found == nullptr) {
+    return absl::NotFoundError(absl::StrCat("no ", kind, " job '", job, "' (pippyctl list shows the jobs; pippyctl serve",
+                                            generation ? " --generate" : "", " starts one)"));
+  }
+  if (!found->job().spec().has_serving()) {
+    return absl::FailedPreconditionError(absl::StrCat("job ", found->id(), " is not a ", kind, " job (pippyctl serve",
+                                                      generation ? " --generate" : "",
+                                                      " starts one; inference jobs read a data file)"));
+  }
+  if (found->job().spec().serving().has_generation() != generation) {
+    return absl::FailedPreconditionError(
+        generation ? absl::StrCat("job ", found->id(), " serves one forward per request, not generation: use pippyctl "
+                                  "infer (Infer), or serve the model with --generate")
+                   : absl::StrCat("job ", found->id(), " is a generation job: use pippyctl generate (Generate)"));
+  }
+  if (found->ended()) {
+    return absl::FailedPreconditionError(absl::StrCat(kind, " job ", found->id(), " ended (",
+                                                      JobState_Name(found->state()), ": ", found->job().reason(),
+                                                      "); serve the model again"));
+  }
+  std::shared_ptr<RequestQueue> queue = found->serving();
+  if (queue == nullptr) {  // a detached submission not yet prepared
+    return absl::UnavailableError(absl::StrCat(kind, " job ", found->id(), " is ", JobState_Name(found->state()),
+                                               ": it takes requests once it is SERVING (pippyctl serve --wait "
+                                               "waits for that)"));
+  }
+  return queue;
+}
+
+absl::Status Coordinator::Infer(const std::string& job, std::string input, ServingQueue::Done done,
+                               std::shared_ptr<const std::atomic<bool>> cancelled) {
+  PIPPY_ASSIGN_OR_RETURN(std::shared_ptr<RequestQueue> queue, ServingQueueOf(job, /*generation=*/false));
+  auto serving = std::dynamic_pointer_cast<ServingQueue>(queue);
+  if (serving == nullptr) return absl::InternalError("a serving job without its serving queue");
+  return serving->Submit(std::move(input), std::move(done), std::move(cancelled));
+}
+
+absl::Status Coordinator::Generate(const std::string& job, GenerationQueue::Request request,
+                                   GenerationQueue::OnEvent on_event, std::shared_ptr<const std::atomic<bool>> cancelled) {
+  PIPPY_ASSIGN_OR_RETURN(std::shared_ptr<RequestQueue> queue, ServingQueueOf(job, /*generation=*/true));
+  auto generation = std::dynamic_pointer_cast<GenerationQueue>(queue);
+  if (generation == nullptr) return absl::InternalError("a generation job without its generation queue");
+  return generation->Submit(std::move(request), std::move(on_event), std::move(cancelled));
 }
 
 std::string Coordinator::MetricsText() {
@@ -277,8 +299,12 @@ std::string Coordinator::MetricsText() {
       if (run->checkpoint_time() != absl::InfinitePast()) {
         snapshot.ages.push_back({id, absl::ToDoubleSeconds(now - run->checkpoint_time())});
       }
-      if (run->serving() != nullptr) {
-        snapshot.serving.push_back({id, run->serving()->Stats(), run->serving()->LatencySeconds()});
+      if (auto serving = std::dynamic_pointer_cast<ServingQueue>(run->serving())) {
+        snapshot.serving.push_back({id, serving->Stats(), serving->LatencySeconds()});
+      }
+      if (auto generation = std::dynamic_pointer_cast<GenerationQueue>(run->serving())) {
+        snapshot.generation.push_back(
+            {id, generation->Stats().generation(), generation->TtftSeconds(), generation->ItlSeconds()});
       }
     }
     for (const auto& [id, w] : workers_->all()) {

@@ -2,6 +2,7 @@
 
 #include <deque>
 #include <filesystem>
+#include <random>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -421,6 +422,92 @@ grpc::Status CoordinatorGrpc::InferStream(grpc::ServerContext* context,
   }
   writer.join();
   return context->IsCancelled() ? grpc::Status(grpc::StatusCode::CANCELLED, "the client went away") : grpc::Status::OK;
+}
+
+grpc::Status CoordinatorGrpc::Generate(grpc::ServerContext* context, const GenerateRequest* request,
+                                       grpc::ServerWriter<GenerateResponse>* writer) {
+  auto user = Authenticate(context);
+  if (!user.ok()) return ToGrpc(user.status());
+  if (request->job().empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "job: missing (an id or a name)");
+  GenerationQueue::Request r;
+  if (!request->prompt().empty()) {
+    if (request->tokens_size() > 0) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "prompt: give tokens or prompt bytes, not both");
+    }
+    absl::StatusOr<std::vector<int64_t>> prompt = GenerationQueue::ParsePrompt(request->prompt());
+    if (!prompt.ok()) return ToGrpc(prompt.status());
+    r.prompt = std::move(*prompt);
+  } else {
+    r.prompt.assign(request->tokens().begin(), request->tokens().end());
+  }
+  r.max_new_tokens = request->max_new_tokens() > 0 ? request->max_new_tokens() : 16;
+  if (request->max_new_tokens() < 0) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "max_new_tokens: must not be negative (0: 16)");
+  }
+  r.temperature = request->temperature();
+  r.top_k = request->top_k();
+  r.top_p = request->top_p();
+  std::random_device entropy;
+  r.seed = request->has_seed() ? request->seed() : (uint64_t{entropy()} << 32) ^ entropy();
+  r.stop_tokens.assign(request->stop_tokens().begin(), request->stop_tokens().end());
+  const uint64_t seed = r.seed;
+  const int prompt_tokens = static_cast<int>(r.prompt.size());
+  struct Out {
+    absl::Mutex mu;
+    std::deque<GenerationQueue::Event> events ABSL_GUARDED_BY(mu);
+  };
+  auto out = std::make_shared<Out>();
+  auto cancelled = std::make_shared<std::atomic<bool>>(false);
+  absl::Status queued = logic_->Generate(
+      request->job(), std::move(r),
+      [out](GenerationQueue::Event e) {
+        absl::MutexLock lock(&out->mu);
+        out->events.push_back(std::move(e));
+      },
+      cancelled);
+  if (!queued.ok()) return ToGrpc(queued);
+  bool first = true;
+  // Every sequence ends (the job's end fails what is left); the client's cancel or
+  // deadline ends it sooner and frees its slot.
+  while (true) {
+    std::deque<GenerationQueue::Event> events;
+    {
+      absl::MutexLock lock(&out->mu);
+      auto ready = [&out]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(out->mu) { return !out->events.empty(); };
+      if (!out->mu.AwaitWithTimeout(absl::Condition(&ready), absl::Milliseconds(100))) {
+        if (context->IsCancelled()) {
+          cancelled->store(true);
+          return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
+        }
+        continue;
+      }
+      events.swap(out->events);
+    }
+    // Tokens that came together go in one response.
+    GenerateResponse resp;
+    resp.set_request_id(request->request_id());
+    resp.set_prompt_tokens(prompt_tokens);
+    if (first) resp.set_seed(seed);
+    for (GenerationQueue::Event& e : events) {
+      for (int64_t t : e.tokens) resp.add_tokens(t);
+      resp.set_generated_tokens(e.generated);
+      if (e.ttft_ms >= 0) resp.set_ttft_ms(e.ttft_ms);
+      if (!e.status.ok()) {
+        if (resp.tokens_size() > 0) writer->Write(resp);
+        return ToGrpc(e.status);
+      }
+      if (e.done) {
+        resp.set_done(true);
+        resp.set_finish_reason(e.finish_reason);
+      }
+    }
+    first = false;
+    if (!writer->Write(resp)) {
+      cancelled->store(true);
+      return grpc::Status(grpc::StatusCode::CANCELLED, "the client went away");
+    }
+    if (resp.done()) return grpc::Status::OK;
+  }
 }
 
 grpc::Status WorkerHubGrpc::Connect(grpc::ServerContext* context,

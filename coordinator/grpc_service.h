@@ -52,6 +52,8 @@ class CoordinatorGrpc final : public pippy::Coordinator::Service {
   // as they complete (so a slow reader never holds up the pipeline's results).
   grpc::Status InferStream(grpc::ServerContext* context,
                            grpc::ServerReaderWriter<InferResponse, InferRequest>* stream) override;
+  grpc::Status Generate(grpc::ServerContext* context, const GenerateRequest* request,
+                        grpc::ServerWriter<GenerateResponse>* writer) override;
 
  private:
   // The caller's user ("" without auth). Errors: UNAUTHENTICATED, logged with the

@@ -479,6 +479,14 @@ absl::StatusOr<PreparedJob> PrepareHere(const JobSpec& spec, const std::string& 
   return PrepareWhole(spec, dir, phase, options);
 }
 
+// PrepareHere, and a generation job's spec resolved against its plan.
+absl::StatusOr<PreparedJob> PrepareAndResolve(const JobSpec& spec, const std::string& dir, const Phase& phase,
+                                              const PrepareOptions& options) {
+  PIPPY_ASSIGN_OR_RETURN(PreparedJob out, PrepareHere(spec, dir, phase, options));
+  if (out.spec.serving().has_generation()) PIPPY_RETURN_IF_ERROR(job::ResolveGeneration(out.plan, &out.spec));
+  return out;
+}
+
 constexpr char kSpecFile[] = "/job_spec.pb";
 constexpr char kPlanFile[] = "/plan.pb";
 constexpr char kLayoutFile[] = "/layout.pb";
@@ -596,7 +604,7 @@ absl::StatusOr<PreparedJob> PrepareJob(const JobSpec& submitted, const std::stri
   JobSpec spec = submitted;
   PIPPY_RETURN_IF_ERROR(job::CheckSpec(&spec));
   if (ArtifactStore::FileSize(dir + "/model.pt") <= 0) return Bad("model", "empty: send the TorchScript file's bytes");
-  if (options.preparer.empty()) return PrepareHere(spec, dir, [](absl::string_view) {}, options);
+  if (options.preparer.empty()) return PrepareAndResolve(spec, dir, [](absl::string_view) {}, options);
   return PrepareInChild(spec, dir, options);
 }
 
@@ -613,7 +621,7 @@ int RunPreparationChild(const std::string& dir, bool whole, const std::vector<st
   PrepareOptions options;
   options.whole = whole;
   options.dataset_roots = dataset_roots;
-  absl::StatusOr<PreparedJob> prepared = s.ok() ? PrepareHere(spec, dir, announce, options) : s;
+  absl::StatusOr<PreparedJob> prepared = s.ok() ? PrepareAndResolve(spec, dir, announce, options) : s;
   if (prepared.ok()) s = WriteMessage(prepared->spec, dir + kPreparedSpecFile);
   if (prepared.ok() && s.ok()) s = WriteMessage(prepared->plan, dir + kPlanFile);
   if (prepared.ok() && s.ok()) s = WriteMessage(prepared->layout, dir + kLayoutFile);

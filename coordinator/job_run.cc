@@ -6,6 +6,7 @@
 #include "absl/strings/str_join.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "pipeline/job/job_plan.h"
 #include "pipeline/job/job_spec.h"
 #include "pipeline/job/layout.h"
 #include "proto/job_state.h"
@@ -15,10 +16,24 @@ namespace {
 
 int64_t NowMs() { return absl::ToUnixMillis(absl::Now()); }
 
-std::shared_ptr<ServingQueue> MakeServingQueue(const Job& job) {
+std::shared_ptr<RequestQueue> MakeServingQueue(const Job& job) {
+  const ServingSpec& sv = job.spec().serving();
+  if (sv.has_generation()) {
+    GenerationQueue::Options o;
+    o.job_id = job.job_id();
+    o.stages = job.plan().stages_size();
+    o.max_inflight = sv.max_inflight() > 0 ? sv.max_inflight() : std::max(1, o.stages);
+    o.max_batch = std::max(1, sv.max_batch());
+    o.max_slots = std::max(1, sv.generation().max_slots());
+    o.max_seq = std::max(1, sv.generation().max_seq());
+    o.prefill_chunk = std::max(1, sv.generation().prefill_chunk());
+    o.vocab = job::VocabularyOf(job.plan());
+    if (sv.max_queued() > 0) o.max_queued = sv.max_queued();
+    return std::make_shared<GenerationQueue>(o);
+  }
   ServingQueue::Options o;
   o.job_id = job.job_id();
-  const ServingSpec& sv = job.spec().serving();
+  if (sv.max_queued() > 0) o.max_queued = sv.max_queued();
   o.max_batch = sv.max_batch();
   o.max_delay = absl::Milliseconds(sv.max_delay_ms());
   o.stages = job.plan().stages_size();
@@ -352,16 +367,15 @@ void JobRun::StartServing() {
   const int64_t max_output = serving_->MessageBudget();
   const size_t P = static_cast<size_t>(std::max(1, ranks_per_replica()));  // channels: T copies with tensor parallelism
   serving_->Start(attempt, std::move(needs),
-                  [job_id, attempt, channels, max_output, P](int64_t step, const std::vector<std::string>& inputs,
-                                                          int64_t rows) {
+                  [job_id, attempt, channels, max_output, P](const ServeBatch& batch,
+                                                             const std::vector<std::string>& inputs) {
                     bool ok = true;
                     for (size_t r = 0; r < channels.size(); ++r) {
                       CoordinatorMessage m;
                       ServeBatch* b = m.mutable_serve();
+                      *b = batch;
                       b->set_job_id(job_id);
                       b->set_attempt(attempt);
-                      b->set_step(step);
-                      b->set_rows(rows);
                       b->set_max_output_bytes(max_output);
                       if (r % P < inputs.size()) b->set_inputs(inputs[r % P]);
                       ok = channels[r]->Send(m) && ok;
@@ -593,6 +607,7 @@ void JobRun::Recover(const std::string& what) {
 }
 
 absl::StatusOr<StepTrace> JobRun::Trace(int step, const std::function<std::string(int global_rank)>& worker_name) const {
+  if (auto generation = std::dynamic_pointer_cast<GenerationQueue>(serving_)) return generation->Trace(id());
   StepTraces::Names names;
   names.worker = worker_name;
   names.stages = [this](int global) { return StagesOfRank(global % std::max(1, ranks_per_replica())); };

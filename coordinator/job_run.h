@@ -39,6 +39,7 @@
 #include "coordinator/coordinator_metrics.h"
 #include "coordinator/job_store.h"
 #include "coordinator/rank_sender.h"
+#include "coordinator/generation.h"
 #include "coordinator/serving.h"
 #include "coordinator/step_trace.h"
 #include "coordinator/worker_channel.h"
@@ -176,7 +177,8 @@ class JobRun {
   bool RecoveryExpired(absl::Time now) const { return state() == RECOVERING && now >= recover_deadline_; }
 
   // ---- serving and traces ----
-  std::shared_ptr<ServingQueue> serving() const { return serving_; }
+  // A serving job's queue: a ServingQueue, or a GenerationQueue for a generation job.
+  std::shared_ptr<RequestQueue> serving() const { return serving_; }
   absl::StatusOr<StepTrace> Trace(int step, const std::function<std::string(int global_rank)>& worker_name) const;
 
  private:
@@ -197,7 +199,7 @@ class JobRun {
   bool stage_files_ready_ = false;                     // jobs/<id>/stage_<s>.pt are whole
   // Set when the attempt ends: its file senders stop. Each attempt has its own.
   std::shared_ptr<std::atomic<bool>> stop_ = std::make_shared<std::atomic<bool>>(false);
-  std::shared_ptr<ServingQueue> serving_;              // a serving job's requests, for its whole life
+  std::shared_ptr<RequestQueue> serving_;              // a serving job's requests, for its whole life
   // The current attempt.
   std::vector<std::shared_ptr<WorkerChannel>> channels_;  // by global rank
   std::map<int, std::string> addresses_;               // global rank -> UCX address

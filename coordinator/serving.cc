@@ -1,5 +1,7 @@
 #include "coordinator/serving.h"
 
+#include "coordinator/rank_inputs.h"
+
 #include <algorithm>
 #include <deque>
 #include <map>
@@ -79,6 +81,19 @@ std::string BucketOf(const std::vector<at::Tensor>& inputs) {
 }
 
 }  // namespace
+
+std::vector<std::string> PickleRankInputs(const std::vector<at::Tensor>& batch,
+                                          const std::vector<std::vector<int>>& needs) {
+  std::vector<std::string> per_rank(needs.size());
+  for (size_t r = 0; r < needs.size(); ++r) {
+    if (needs[r].empty()) continue;
+    std::vector<c10::IValue> args(batch.size());
+    for (int i : needs[r]) args[static_cast<size_t>(i)] = batch[static_cast<size_t>(i)];
+    std::vector<char> bytes = torch::jit::pickle_save(c10::ivalue::Tuple::create(std::move(args)));
+    per_rank[r].assign(bytes.data(), bytes.size());
+  }
+  return per_rank;
+}
 
 struct ServingQueue::Impl {
   explicit Impl(const Options& o) : options(o), max_message_bytes(o.max_message_bytes) {}
@@ -229,21 +244,6 @@ struct ServingQueue::Impl {
     mu.Lock();
   }
 
-  // Each rank's inputs: a pickled tuple of forward()'s arguments, None where it reads
-  // none ("" for a rank that reads no input at all).
-  static std::vector<std::string> RankInputs(const std::vector<at::Tensor>& batch,
-                                             const std::vector<std::vector<int>>& needs) {
-    std::vector<std::string> per_rank(needs.size());
-    for (size_t r = 0; r < needs.size(); ++r) {
-      if (needs[r].empty()) continue;
-      std::vector<c10::IValue> args(batch.size());
-      for (int i : needs[r]) args[static_cast<size_t>(i)] = batch[static_cast<size_t>(i)];
-      std::vector<char> bytes = torch::jit::pickle_save(c10::ivalue::Tuple::create(std::move(args)));
-      per_rank[r].assign(bytes.data(), bytes.size());
-    }
-    return per_rank;
-  }
-
   // Builds micro-batch `f` (copies of its requests' rows) and sends it to every rank as
   // the next step; the lock is released while it is sent. A send that fails (a rank's
   // stream gone) fails its requests with UNAVAILABLE.
@@ -277,7 +277,10 @@ struct ServingQueue::Impl {
     const std::vector<std::vector<int>> needs = rank_inputs;
     const int sent_attempt = attempt;
     mu.Unlock();
-    const bool ok = send(step, RankInputs(batch, needs), rows_sent);
+    ServeBatch b;
+    b.set_step(step);
+    b.set_rows(rows_sent);
+    const bool ok = send(b, PickleRankInputs(batch, needs));
     mu.Lock();
     if (ok || attempt != sent_attempt) return;
     auto it = inflight.find(step);

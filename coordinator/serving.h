@@ -37,11 +37,12 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "common/metrics.h"
+#include "coordinator/request_queue.h"
 #include "proto/coordinator.pb.h"
 
 namespace pippy::coordinator {
 
-class ServingQueue {
+class ServingQueue : public RequestQueue {
  public:
   struct Options {
     std::string job_id;                   // for logs
@@ -70,12 +71,9 @@ class ServingQueue {
     int microbatch_rows = 0;
   };
   using Done = std::function<void(Answer)>;
-  // Sends micro-batch `step` to every rank: inputs[r] is rank r's pickled tuple of
-  // model inputs ("" for a rank that reads none). Returns false if a rank's stream is gone.
-  using Dispatch = std::function<bool(int64_t step, const std::vector<std::string>& inputs, int64_t rows)>;
 
   explicit ServingQueue(const Options& options);
-  ~ServingQueue();  // fails what is left (UNAVAILABLE) and joins the batcher
+  ~ServingQueue() override;  // fails what is left (UNAVAILABLE) and joins the batcher
 
   // Checks the request (a torch.save'd tensor, tuple, list or dict of forward()'s
   // arguments, or a data file's "inputs") and queues it; `done` is called exactly once
@@ -85,22 +83,16 @@ class ServingQueue {
   // when options.max_queued requests wait already; UNAVAILABLE once stopped.
   absl::Status Submit(std::string input, Done done,
                       std::shared_ptr<const std::atomic<bool>> cancelled = nullptr);
-  // The pipeline of `attempt` is ready: `rank_inputs[r]` lists the model inputs rank
-  // r's stages read. Queued requests start to flow.
-  void Start(int attempt, std::vector<std::vector<int>> rank_inputs, Dispatch dispatch);
-  // The pipeline is gone (a worker lost; the job may be placed again): requests in it
-  // fail with `why`; queued ones wait for the next Start.
-  void Pause(const absl::Status& why);
-  // The job ended: every request fails with `why`; later ones are refused.
-  void Stop(const absl::Status& why);
-  // The last rank's answer for a micro-batch (other attempts' are ignored).
-  void OnResult(const ServeResult& result);
-  // The message bound (Options::max_message_bytes) of the coordinator it runs in.
-  void SetMaxMessageBytes(int64_t bytes);
+  void Start(int attempt, std::vector<std::vector<int>> rank_inputs, Dispatch dispatch) override;
+  void Pause(const absl::Status& why) override;
+  void Stop(const absl::Status& why) override;
+  void OnResult(const ServeResult& result) override;
+  // Options::max_message_bytes of the coordinator it runs in.
+  void SetMaxMessageBytes(int64_t bytes) override;
   // What a micro-batch's tensors, and its pickled output, may take: the message bound
   // less room for the rest of the message (pickle framing, ids).
-  int64_t MessageBudget() const;
-  ServingStats Stats() const;
+  int64_t MessageBudget() const override;
+  ServingStats Stats() const override;
   // Request latency (arrival to answer, seconds) of every answered request, for /metrics.
   metrics::Histogram LatencySeconds() const;
 

@@ -53,7 +53,8 @@ class ServingQueueTest : public ::testing::Test {
     if (start) Start();
   }
   void Start() {
-    queue_->Start(0, {{0}}, [this](int64_t step, const std::vector<std::string>& inputs, int64_t rows) {
+    queue_->Start(0, {{0}}, [this](const ServeBatch& b, const std::vector<std::string>& inputs) {
+      const int64_t step = b.step(), rows = b.rows();
       c10::IValue args = Unpickle(inputs[0]);
       absl::MutexLock lock(&mu_);
       sent_.push_back({step, rows, args.toTupleRef().elements()[0].toTensor()});

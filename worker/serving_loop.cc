@@ -6,6 +6,7 @@
 #include "common/log.h"
 #include "pipeline/torchio/model_io.h"
 #include "torch/csrc/jit/serialization/pickle.h"
+#include "worker/token_sampler.h"
 
 namespace pippy::worker {
 namespace {
@@ -34,6 +35,21 @@ WorkerMessage ResultOf(const Assignment& a, const ServeBatch& batch, const absl:
   if (!res.ok()) {
     r->set_aborted(absl::IsAborted(res.status()));
     r->set_error(std::string(res.status().message()));
+  } else if (batch.sample_size() > 0) {
+    // A generation micro-batch: only the sampled token ids go back.
+    r->set_seconds(res->step_seconds);
+    absl::StatusOr<std::vector<int64_t>> tokens =
+        res->output.isTensor() ? SampleTokens(res->output.toTensor(), batch.sample())
+                               : absl::InvalidArgumentError(absl::StrCat("a generation model returns a tensor of "
+                                                                         "logits; this one returned a ",
+                                                                         res->output.tagKind()));
+    if (!tokens.ok()) {
+      r->set_ok(false);
+      r->set_aborted(true);
+      r->set_error(std::string(tokens.status().message()));
+      return m;
+    }
+    for (int64_t t : *tokens) r->add_tokens(t);
   } else {
     r->set_seconds(res->step_seconds);
     std::vector<char> bytes = torch::jit::pickle_save(res->output);

@@ -3,11 +3,71 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/device.h"
 #include "pipeline/job/job_spec.h"
 #include "pipeline/schedule/simulator.h"
 
 namespace pippy::job {
+
+int64_t VocabularyOf(const PipelinePlan& plan) {
+  const TensorMeta& out = plan.output().example();
+  return out.shape_size() > 0 ? out.shape(out.shape_size() - 1) : 0;
+}
+
+absl::Status ResolveGeneration(const PipelinePlan& plan, JobSpec* spec) {
+  GenerationSpec* g = spec->mutable_serving()->mutable_generation();
+  auto bad = [](absl::string_view field, absl::string_view what) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
+  };
+  const char* kContract =
+      "a generation model's forward(idx: Long[B, L], input_pos: Long[B, L], slots: Long[B]) returns Float[B, L, "
+      "vocab] logits and keeps each attention layer's keys and values in buffers [max_slots, heads, max_seq, "
+      "head_dim] (docs/api.md#generation)";
+  if (plan.inputs_size() != 3) {
+    std::vector<std::string> names;
+    for (const ModelValue& v : plan.inputs()) names.push_back(v.name());
+    return bad("model", absl::StrCat("forward() takes ", plan.inputs_size(), " argument(s) (",
+                                     absl::StrJoin(names, ", "), "); ", kContract));
+  }
+  const TensorMeta& out = plan.output().example();
+  if (out.shape_size() != 3 || out.dtype().rfind("float", 0) != 0) {
+    return bad("model", absl::StrCat("forward() returned ", plan.output().type(), " [", absl::StrJoin(out.shape(), ", "),
+                                     "] on the example; ", kContract));
+  }
+  int64_t slots = 0, seq = 0;
+  std::string first;
+  for (const StagePlan& st : plan.stages()) {
+    for (const ParameterInfo& p : st.parameters()) {
+      if (!p.written()) continue;
+      if (!p.is_buffer() || p.shape_size() != 4) {
+        return bad("model", absl::StrCat("'", p.name(), "' (shape [", absl::StrJoin(p.shape(), ", "),
+                                         "]) is written by forward() but is not a cache with a slot dimension: ",
+                                         kContract));
+      }
+      if (first.empty() || p.shape(0) < slots) slots = p.shape(0);
+      if (first.empty() || p.shape(2) < seq) seq = p.shape(2);
+      if (first.empty()) first = p.name();
+    }
+  }
+  if (first.empty()) {
+    return bad("model", absl::StrCat("forward() writes no buffer: a model without a KV cache cannot decode one "
+                                     "token at a time; ", kContract));
+  }
+  if (g->max_slots() == 0) g->set_max_slots(static_cast<int>(slots));
+  if (g->max_slots() > slots) {
+    return bad("serving.generation.max_slots", absl::StrCat(g->max_slots(), " is more than the model's caches hold (",
+                                                            slots, " slots, dim 0 of buffers such as '", first,
+                                                            "'); script the model with more slots or ask for fewer"));
+  }
+  if (g->max_seq() == 0) g->set_max_seq(static_cast<int>(seq));
+  if (g->max_seq() > seq) {
+    return bad("serving.generation.max_seq", absl::StrCat(g->max_seq(), " is more than the model's caches hold (",
+                                                          seq, " positions, dim 2 of buffers such as '", first, "')"));
+  }
+  if (spec->serving().max_batch() > g->max_slots()) spec->mutable_serving()->set_max_batch(g->max_slots());
+  return absl::OkStatus();
+}
 
 absl::Status CheckPlan(const PipelinePlan& plan) {
   const int n = plan.stages_size();

@@ -25,6 +25,15 @@ namespace pippy::job {
 // before use. Errors: INVALID_ARGUMENT naming the stage and field.
 absl::Status CheckPlan(const PipelinePlan& plan);
 
+// A generation job (ServingSpec.generation) against its plan: forward() takes (idx,
+// input_pos, slots) and returns logits, and every buffer forward() writes is a KV cache
+// [max_slots, heads, max_seq, head_dim]. Fills in max_slots and max_seq from the caches
+// where unset. Errors: INVALID_ARGUMENT starting with "model:" (naming the buffer and
+// its shape, or the inputs) or "serving.generation.max_slots"/"max_seq" (larger than a cache).
+absl::Status ResolveGeneration(const PipelinePlan& plan, JobSpec* spec);
+// The vocabulary of a generation model: the last dimension of its example output (0: unknown).
+int64_t VocabularyOf(const PipelinePlan& plan);
+
 // The stage graph (who consumes whose outputs) of a plan. REQUIRES: CheckPlan passed.
 schedule::StageGraph StageGraphOf(const PipelinePlan& plan);
 

@@ -98,6 +98,25 @@ absl::Status CheckServing(JobSpec* spec) {
     return Bad("batch_size", "a serving job's batch is serving.max_batch; leave batch_size unset");
   }
   spec->set_batch_size(sv->max_batch());
+  if (sv->max_queued() < 0 || sv->max_queued() > 1000000) {
+    return Bad("serving.max_queued", "must be in [0, 1000000] (0: 4096)");
+  }
+  if (sv->max_queued() == 0) sv->set_max_queued(kDefaultServingMaxQueued);
+  if (sv->has_generation()) {
+    GenerationSpec* g = sv->mutable_generation();
+    if (g->max_slots() < 0 || g->max_slots() > 65536) {
+      return Bad("serving.generation.max_slots", "must be in [0, 65536] (0: the caches' slot dimension)");
+    }
+    if (g->max_seq() < 0) return Bad("serving.generation.max_seq", "must not be negative (0: the caches' length)");
+    if (g->prefill_chunk() < 0 || g->prefill_chunk() > 65536) {
+      return Bad("serving.generation.prefill_chunk", "must be in [0, 65536] (0: 64)");
+    }
+    if (g->prefill_chunk() == 0) g->set_prefill_chunk(kDefaultPrefillChunk);
+    if (spec->tensor_parallel().size() > 1) {
+      return Bad("tensor_parallel", "generation with tensor parallelism is not supported yet; serve it without "
+                                    "--tensor-parallel");
+    }
+  }
   return absl::OkStatus();
 }
 

@@ -63,6 +63,8 @@ inline constexpr double kDefaultRecoveryTimeoutS = 300;
 inline constexpr int kDefaultServingMaxBatch = 32;
 inline constexpr int kDefaultServingMaxDelayMs = 5;
 inline constexpr int kMaxServingBatch = 65536;
+inline constexpr int kDefaultServingMaxQueued = 4096;
+inline constexpr int kDefaultPrefillChunk = 64;
 
 // Whether a checkpoint is taken once `steps_done` steps of the job are done: every
 // checkpoint_every steps of a training job, except after the last step.

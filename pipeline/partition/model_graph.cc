@@ -44,6 +44,39 @@ void ForEachNodeRecursive(Node* node, const std::function<void(Node*)>& fn) {
   }
 }
 
+namespace {
+
+// Whether an op writes `v` in place, or a view of it (select, slice, view, ...), as the
+// ops' schemas say (`Tensor(a!) self`). AliasDb cannot tell: it treats every tensor
+// read from a module's attributes as one wildcard set, so a write to one attribute (a
+// KV cache) would count as a write to every parameter.
+bool WritesThrough(Value* v, int depth = 0) {
+  if (depth > 16) return false;
+  for (const torch::jit::Use& use : v->uses()) {
+    Node* n = use.user;
+    const c10::FunctionSchema* schema = n->maybeSchema();
+    if (schema == nullptr) {
+      if (n->kind() == prim::SetAttr) return true;
+      continue;
+    }
+    if (use.offset >= schema->arguments().size()) continue;
+    const c10::AliasInfo* in = schema->arguments()[use.offset].alias_info();
+    if (in == nullptr) continue;
+    if (in->isWrite()) return true;
+    // A view of it: an output in the same alias set.
+    for (size_t o = 0; o < schema->returns().size() && o < n->outputs().size(); ++o) {
+      const c10::AliasInfo* out = schema->returns()[o].alias_info();
+      if (out == nullptr || out->isWrite()) continue;
+      const bool same = std::any_of(out->beforeSets().begin(), out->beforeSets().end(),
+                                    [&](const c10::Symbol& s) { return in->beforeSets().count(s) > 0; });
+      if (same && WritesThrough(n->outputs()[o], depth + 1)) return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<ModelGraph>> ModelGraph::Build(const torch::jit::Module& model) {
   std::unique_ptr<ModelGraph> mg(new ModelGraph());
   mg->model_ = model;
@@ -142,7 +175,10 @@ absl::Status ModelGraph::Analyze() {
         auto path = AttributePath(in, self());
         if (!path) continue;
         std::string p = absl::StrJoin(*path, ".");
-        if (tensor_index_.count(p) && seen.insert(p).second) tensor_reads_[i].push_back(p);
+        auto t = tensor_index_.find(p);
+        if (t == tensor_index_.end()) continue;
+        if (seen.insert(p).second) tensor_reads_[i].push_back(p);
+        if (WritesThrough(in)) tensors_[static_cast<size_t>(t->second)].written = true;
       }
     });
   }

@@ -32,6 +32,7 @@ struct ModelTensor {
   at::Tensor tensor;
   bool is_parameter = false;
   bool is_buffer = false;
+  bool written = false;  // forward modifies it in place (a KV cache, BatchNorm's running stats)
 };
 
 class ModelGraph {

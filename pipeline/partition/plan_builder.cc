@@ -5,6 +5,7 @@
 #include <unordered_map>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/status.h"
 #include "common/torch_status.h"
 #include "pipeline/partition/cut_selection.h"
@@ -123,6 +124,7 @@ absl::Status BuildPipe(const ModelGraph& mg, const std::vector<int>& cuts, bool 
       pi->set_is_buffer(!mt.is_parameter);
       pi->set_requires_grad(mt.is_parameter && mt.tensor.requires_grad());
       pi->set_tie_group(-1);
+      pi->set_written(mt.written);
       if (mt.is_parameter) {
         sp->set_num_params(sp->num_params() + mt.tensor.numel());
         sp->set_param_bytes(sp->param_bytes() + pi->bytes());
@@ -134,6 +136,14 @@ absl::Status BuildPipe(const ModelGraph& mg, const std::vector<int>& cuts, bool 
   // Tensors held by several stages (tied weights) form tie groups.
   for (size_t t = 0; t < mg.tensors().size(); ++t) {
     if (tensor_stages[t].size() < 2) continue;
+    if (mg.tensors()[t].written) {
+      // Each stage would get its own copy, and one stage's writes would never reach
+      // the other's reads (a KV cache written by one stage and read by the next).
+      return absl::InvalidArgumentError(absl::StrCat(
+          "buffer '", mg.tensors()[t].names[0], "' is modified in place by forward() and read by stages ",
+          absl::StrJoin(tensor_stages[t], " and "), ": stages cannot share it; move the cut so that the "
+          "module owning it and every op reading it stay in one stage"));
+    }
     int group = plan.tied_size();
     TiedParameter* tp = plan.add_tied();
     tp->set_canonical(mg.tensors()[t].names[0]);

@@ -207,8 +207,9 @@ def _set_tensor_parallel(spec, size, plan):
 
 def make_serving_spec(model_path, example=None, *, stages=0, split_at=(), balance="params", max_batch=0,
                       max_delay_ms=None, max_inflight=0, name=None, synthetic="", seed=0, dtype="fp32",
-                      tensor_parallel=1, tp_plan=""):
-    """The JobSpec pippyctl serve would send."""
+                      tensor_parallel=1, tp_plan="", max_queued=0, generate=False, max_slots=0, max_seq=0,
+                      prefill_chunk=0):
+    """The JobSpec pippyctl serve would send (generate=True: pippyctl serve --generate)."""
     spec = job_pb2.JobSpec(name=name or os.path.splitext(os.path.basename(model_path))[0], seed=seed)
     spec.precision = _enum(job_pb2.Precision, dtype, "dtype")
     spec.split.stages = stages
@@ -219,10 +220,55 @@ def make_serving_spec(model_path, example=None, *, stages=0, split_at=(), balanc
     if max_delay_ms is not None:
         spec.serving.max_delay_ms = max_delay_ms
     spec.serving.max_inflight = max_inflight
+    spec.serving.max_queued = max_queued
+    if generate:
+        spec.serving.generation.max_slots = max_slots
+        spec.serving.generation.max_seq = max_seq
+        spec.serving.generation.prefill_chunk = prefill_chunk
+    elif max_slots or max_seq or prefill_chunk:
+        raise PippyError(grpc.StatusCode.INVALID_ARGUMENT,
+                         "max_slots, max_seq and prefill_chunk are a generation job's: add generate=True")
     if example:
         spec.data.file = os.path.basename(example)
     spec.data.synthetic = synthetic
     return spec
+
+
+class _Generation:
+    """Client.generate's iterator over one sequence's tokens."""
+
+    def __init__(self, call):
+        self._call = call
+        self._tokens = []
+        self.finish_reason = None
+        self.seed = None
+        self.ttft_ms = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        while not self._tokens:
+            if self.finish_reason is not None:
+                raise StopIteration
+            try:
+                r = next(self._call)
+            except StopIteration:
+                raise PippyError(grpc.StatusCode.UNAVAILABLE, "the stream ended before the sequence did") from None
+            except grpc.RpcError as e:
+                raise PippyError(e.code(), e.details()) from None
+            if self.seed is None:
+                self.seed = r.seed
+            if r.ttft_ms:
+                self.ttft_ms = r.ttft_ms
+            self._tokens.extend(r.tokens)
+            if r.done:
+                self.finish_reason = r.finish_reason
+        return self._tokens.pop(0)
+
+    def close(self):
+        """Ends the sequence (its slot is freed)."""
+        self._call.cancel()
 
 
 class Client:
@@ -337,6 +383,23 @@ class Client:
                     yield i, _from_bytes(r.output, raw)
         except grpc.RpcError as e:
             raise PippyError(e.code(), e.details()) from None
+
+    def generate(self, job, prompt, max_new_tokens=16, temperature=0.0, top_k=0, top_p=0.0, seed=None,
+                 stop_tokens=(), timeout_s=None):
+        """Generates from a prompt with a generation job (pippyctl serve --generate):
+        an iterator over the token ids as they are sampled (greedy unless temperature >
+        0). prompt: a list of token ids or a 1-D integer tensor. Closing the iterator
+        (or its deadline passing) ends the sequence and frees its slot. After the last
+        token, the iterator's `finish_reason` ("length", "stop", "max_seq") and `seed`
+        are set."""
+        req = coordinator_pb2.GenerateRequest(job=job, max_new_tokens=max_new_tokens, temperature=temperature,
+                                              top_k=top_k, top_p=top_p, stop_tokens=list(stop_tokens))
+        if seed is not None:
+            req.seed = seed
+        if hasattr(prompt, "tolist"):
+            prompt = prompt.tolist()
+        req.tokens.extend(int(t) for t in prompt)
+        return _Generation(self._stub.Generate(req, timeout=timeout_s, metadata=self._metadata))
 
     def status(self, job_id):
         """The job record as a dict (protobuf JSON with the .proto's field names)."""

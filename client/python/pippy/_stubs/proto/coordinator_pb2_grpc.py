@@ -69,6 +69,11 @@ class CoordinatorStub(object):
                 request_serializer=proto_dot_coordinator__pb2.InferRequest.SerializeToString,
                 response_deserializer=proto_dot_coordinator__pb2.InferResponse.FromString,
                 )
+        self.Generate = channel.unary_stream(
+                '/pippy.Coordinator/Generate',
+                request_serializer=proto_dot_coordinator__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=proto_dot_coordinator__pb2.GenerateResponse.FromString,
+                )
 
 
 class CoordinatorServicer(object):
@@ -142,6 +147,17 @@ class CoordinatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Generate(self, request, context):
+        """A generation job's tokens for one prompt, streamed as they come. Cancelling the call
+        or its deadline passing ends the sequence and frees its slot. Errors: INVALID_ARGUMENT
+        (an empty prompt, a token outside the vocabulary, a prompt longer than max_seq),
+        RESOURCE_EXHAUSTED (max_queued requests wait), UNAVAILABLE (a worker lost: the job
+        restarts), FAILED_PRECONDITION (not a generation job, or ended).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -199,6 +215,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.InferStream,
                     request_deserializer=proto_dot_coordinator__pb2.InferRequest.FromString,
                     response_serializer=proto_dot_coordinator__pb2.InferResponse.SerializeToString,
+            ),
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=proto_dot_coordinator__pb2.GenerateRequest.FromString,
+                    response_serializer=proto_dot_coordinator__pb2.GenerateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -394,6 +415,23 @@ class Coordinator(object):
         return grpc.experimental.stream_stream(request_iterator, target, '/pippy.Coordinator/InferStream',
             proto_dot_coordinator__pb2.InferRequest.SerializeToString,
             proto_dot_coordinator__pb2.InferResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(request, target, '/pippy.Coordinator/Generate',
+            proto_dot_coordinator__pb2.GenerateRequest.SerializeToString,
+            proto_dot_coordinator__pb2.GenerateResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
