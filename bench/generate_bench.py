@@ -237,12 +237,18 @@ def main():
     print(f"generation: GenLM {a.layers} layers x width {a.width} ({a.heads} heads, vocab {a.vocab}), "
           f"{a.clients} closed-loop clients (prompts 8-32 tokens, 32-64 new, greedy), {a.seconds:g} s x "
           f"{a.runs} runs (medians); LibTorch process: {a.threads} thread(s); pippy: 2 stages on 2 workers x 1 thread")
-    print(f"{'configuration':28s} {'tokens/s':>9s} {'vs batched':>10s} {'TTFT p50':>9s} {'p99':>8s} "
+    print(f"{'configuration':28s} {'tokens/s (runs)':>24s} {'vs batched':>10s} {'TTFT p50':>9s} {'p99':>8s} "
           f"{'ITL p50':>8s} {'p99':>8s}  notes")
     med = {k: [statistics.median(x[i] for x in v) for i in range(5)] + [v[-1][5]] for k, v in results.items()}
     base = med["libtorch batched"][0]
     for name, (tps, t50, t99, i50, i99, extra) in med.items():
-        print(f"{name:28s} {tps:9.1f} {tps / base:10.2f} {t50:8.1f}ms {t99:6.1f}ms {i50:6.1f}ms {i99:6.1f}ms  {extra}")
+        runs = [x[0] for x in results[name]]
+        tps_text = f"{tps:.1f} ({min(runs):.0f}-{max(runs):.0f})"
+        print(f"{name:28s} {tps_text:>24s} {tps / base:10.2f} {t50:8.1f}ms {t99:6.1f}ms {i50:6.1f}ms {i99:6.1f}ms  "
+              f"{extra}")
+    # Run by run, pippy against the batched process of the same run.
+    ratios = [p[0] / b[0] for p, b in zip(results["pippy generate (2 stages)"], results["libtorch batched"])]
+    print("pippy / libtorch batched, run by run: " + ", ".join(f"{r:.2f}" for r in ratios))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ struct Sequence {
   absl::Time arrival;
   absl::Time last_token;
   int slot = -1;             // -1: waiting for one
+  int group = 0;             // which of the groups in flight it goes with
   int64_t prefilled = 0;     // prompt tokens in the cache
   std::vector<int64_t> generated;
   bool inflight = false;
@@ -52,6 +53,7 @@ struct Row {
 
 struct Batch {
   std::vector<Row> rows;
+  int group = 0;
   bool prefill = false;
   absl::Time sent;
 };
@@ -75,11 +77,16 @@ double Percentile(std::vector<double> v, double q) {
 }  // namespace
 
 struct GenerationQueue::Impl {
-  explicit Impl(const Options& o) : options(o) {
+  explicit Impl(const Options& o)
+      : options(o),
+        groups(std::max(1, o.max_inflight)),
+        group_inflight(static_cast<size_t>(groups), false),
+        group_last_prefill(static_cast<size_t>(groups), false) {
     for (int s = 0; s < o.max_slots; ++s) free_slots.insert(s);
   }
 
   const Options options;
+  const int groups;
   mutable absl::Mutex mu;
   absl::CondVar wake;
   bool stopped ABSL_GUARDED_BY(mu) = false;
@@ -95,7 +102,11 @@ struct GenerationQueue::Impl {
   std::vector<std::shared_ptr<Sequence>> active ABSL_GUARDED_BY(mu);  // holding a slot, by admission
   std::set<int> free_slots ABSL_GUARDED_BY(mu);
   std::map<int64_t, Batch> inflight ABSL_GUARDED_BY(mu);
-  bool last_prefill ABSL_GUARDED_BY(mu) = false;
+  // Per group (max_inflight of them): whether its micro-batch is in the pipeline, and
+  // whether its last one was prompt chunks.
+  std::vector<bool> group_inflight ABSL_GUARDED_BY(mu);
+  std::vector<bool> group_last_prefill ABSL_GUARDED_BY(mu);
+  int next_group ABSL_GUARDED_BY(mu) = 0;
   // Counters and windows.
   int64_t sequences ABSL_GUARDED_BY(mu) = 0, failed ABSL_GUARDED_BY(mu) = 0;
   int64_t tokens ABSL_GUARDED_BY(mu) = 0, prompt_tokens ABSL_GUARDED_BY(mu) = 0;
@@ -179,39 +190,78 @@ struct GenerationQueue::Impl {
       free_slots.erase(free_slots.begin());
       s->prefilled = 0;
       s->generated.clear();
+      // The smallest group; of those, one not in the pipeline (it can start at once).
+      std::vector<int> count = GroupCounts();
+      int best = 0;
+      for (int g = 1; g < groups; ++g) {
+        const auto key = [&](int x) { return std::make_pair(count[static_cast<size_t>(x)], group_inflight[static_cast<size_t>(x)] ? 1 : 0); };
+        if (key(g) < key(best)) best = g;
+      }
+      s->group = best;
       active.push_back(std::move(s));
     }
   }
 
-  // The next micro-batch from the sequences not in the pipeline (empty: none ready).
+  std::vector<int> GroupCounts() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    std::vector<int> count(static_cast<size_t>(groups), 0);
+    for (const auto& a : active) ++count[static_cast<size_t>(a->group)];
+    return count;
+  }
+
+  // The next micro-batch: of the next group not in the pipeline that has sequences
+  // (empty: none). A group's sequences go through the pipeline together (each group
+  // is one micro-batch in flight); a group larger than its share gives its newest
+  // sequences to the smallest group first, so that the groups stay even as
+  // sequences end.
   Batch Form() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     Batch b;
-    std::vector<std::shared_ptr<Sequence>> decodes, prefills;
-    for (const auto& s : active) {
-      if (s->inflight || s->finished) continue;
-      (s->Prefilling() ? prefills : decodes).push_back(s);
-    }
-    if (decodes.empty() && prefills.empty()) return b;
-    const int groups = std::max(1, options.max_inflight);
     const int64_t n_active = static_cast<int64_t>(active.size());
-    const int64_t cap = std::max<int64_t>(1, std::min<int64_t>(options.max_batch, (n_active + groups - 1) / groups));
-    b.prefill = !prefills.empty() && (decodes.empty() || !last_prefill);
-    if (b.prefill) {
-      const int64_t chunk = std::max(1, options.prefill_chunk);
-      const int64_t L = std::min(chunk, prefills.front()->Remaining());
-      const int64_t rows = std::min(cap, std::max<int64_t>(1, chunk / L));
-      for (const auto& s : prefills) {
-        if (static_cast<int64_t>(b.rows.size()) >= rows) break;
-        if (std::min(chunk, s->Remaining()) != L) continue;
-        b.rows.push_back({s, L, s->Remaining() == L});
+    const int64_t share = (n_active + groups - 1) / groups;
+    for (int k = 0; k < groups; ++k) {
+      const int g = (next_group + k) % groups;
+      if (group_inflight[static_cast<size_t>(g)]) continue;
+      std::vector<int> count = GroupCounts();
+      std::vector<std::shared_ptr<Sequence>> members;
+      for (const auto& s : active) {
+        if (s->group == g && !s->inflight && !s->finished) members.push_back(s);
       }
-    } else {
-      for (const auto& s : decodes) {
-        if (static_cast<int64_t>(b.rows.size()) >= cap) break;
-        b.rows.push_back({s, 1, true});
+      while (static_cast<int64_t>(members.size()) > share) {
+        int smallest = g;
+        for (int h = 0; h < groups; ++h) {
+          if (count[static_cast<size_t>(h)] < count[static_cast<size_t>(smallest)]) smallest = h;
+        }
+        if (count[static_cast<size_t>(smallest)] + 1 >= count[static_cast<size_t>(g)]) break;
+        members.back()->group = smallest;
+        ++count[static_cast<size_t>(smallest)];
+        --count[static_cast<size_t>(g)];
+        members.pop_back();
       }
+      if (members.empty()) continue;
+      std::vector<std::shared_ptr<Sequence>> decodes, prefills;
+      for (const auto& s : members) (s->Prefilling() ? prefills : decodes).push_back(s);
+      const int64_t cap = std::max(1, options.max_batch);
+      b.group = g;
+      b.prefill = !prefills.empty() && (decodes.empty() || !group_last_prefill[static_cast<size_t>(g)]);
+      if (b.prefill) {
+        const int64_t chunk = std::max(1, options.prefill_chunk);
+        const int64_t L = std::min(chunk, prefills.front()->Remaining());
+        const int64_t rows = std::min(cap, std::max<int64_t>(1, chunk / L));
+        for (const auto& s : prefills) {
+          if (static_cast<int64_t>(b.rows.size()) >= rows) break;
+          if (std::min(chunk, s->Remaining()) != L) continue;
+          b.rows.push_back({s, L, s->Remaining() == L});
+        }
+      } else {
+        for (const auto& s : decodes) {
+          if (static_cast<int64_t>(b.rows.size()) >= cap) break;
+          b.rows.push_back({s, 1, true});
+        }
+      }
+      group_last_prefill[static_cast<size_t>(g)] = b.prefill;
+      group_inflight[static_cast<size_t>(g)] = true;
+      next_group = (g + 1) % groups;
+      return b;
     }
-    last_prefill = b.prefill;
     return b;
   }
 
@@ -286,6 +336,7 @@ struct GenerationQueue::Impl {
       r.seq->inflight = false;
       Finish(*r.seq, why, "", {}, &calls);
     }
+    group_inflight[static_cast<size_t>(it->second.group)] = false;
     inflight.erase(it);
     RunUnlocked(calls);
   }
@@ -298,6 +349,7 @@ struct GenerationQueue::Impl {
       Finish(*s, why, "", {}, calls);
     }
     inflight.clear();
+    std::fill(group_inflight.begin(), group_inflight.end(), false);
   }
 
   void Loop() {
@@ -490,6 +542,7 @@ void GenerationQueue::OnResult(const ServeResult& result) {
     if (it == impl_->inflight.end()) return;
     Batch b = std::move(it->second);
     impl_->inflight.erase(it);
+    impl_->group_inflight[static_cast<size_t>(b.group)] = false;
     impl_->wake.Signal();  // room in the pipeline
     impl_->traced.push_back({result.step(), b.prefill, static_cast<int64_t>(b.rows.size()), b.rows.front().length,
                              b.sent, absl::Now(), result.seconds()});

@@ -11,10 +11,12 @@
 // Scheduling, per pipeline iteration:
 // - A waiting request takes a free slot (oldest first); without one it waits.
 // - A sequence is in at most one micro-batch at a time (its next row needs its last
-//   token). Up to max_inflight micro-batches (default: one per stage) are in the
-//   pipeline at once, each of at most ceil(active / max_inflight) sequences, so the
-//   active sequences fall into groups that follow each other through the stages and no
-//   stage waits for the last stage's sampling (vLLM's pipeline-parallel design).
+//   token). The active sequences are split into max_inflight groups (default: one per
+//   stage; a new sequence joins the smallest); each group is one micro-batch in the
+//   pipeline, so the groups follow each other through the stages and no stage waits
+//   for the last stage's sampling (vLLM's pipeline-parallel design). A group larger
+//   than its share (ceil(active / groups)) hands sequences to the smallest group when
+//   it is next formed, so the groups stay even as sequences end.
 // - A micro-batch is either decodes (one token per row) or prompt chunks of one length
 //   (at most prefill_chunk tokens in all): rows never share a padded tensor. When both
 //   wait, they alternate, so a long prompt's prefill does not stall the decodes.
