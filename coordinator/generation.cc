@@ -194,8 +194,10 @@ struct GenerationQueue::Impl {
       std::vector<int> count = GroupCounts();
       int best = 0;
       for (int g = 1; g < groups; ++g) {
-        const auto key = [&](int x) { return std::make_pair(count[static_cast<size_t>(x)], group_inflight[static_cast<size_t>(x)] ? 1 : 0); };
-        if (key(g) < key(best)) best = g;
+        const size_t a = static_cast<size_t>(g), b = static_cast<size_t>(best);
+        if (std::make_pair(count[a], group_inflight[a] ? 1 : 0) < std::make_pair(count[b], group_inflight[b] ? 1 : 0)) {
+          best = g;
+        }
       }
       s->group = best;
       active.push_back(std::move(s));
@@ -647,8 +649,8 @@ metrics::Histogram GenerationQueue::ItlSeconds() const {
 
 ServingStats GenerationQueue::Stats() const {
   ServingStats s;
-  absl::MutexLock lock(&impl_->mu);
   const Impl& m = *impl_;
+  absl::MutexLock lock(&m.mu);
   s.set_requests(m.sequences);
   s.set_failed(m.failed);
   s.set_rows(m.tokens);

@@ -230,6 +230,44 @@ TEST_F(GenerationQueueTest, StopTokenMaxSeqAndRefusals) {
   EXPECT_TRUE(absl::IsInvalidArgument(Submit("x", {1}, 0)));
 }
 
+TEST_F(GenerationQueueTest, AMicroBatchTheModelFailsFailsItsSequencesOnly) {
+  Make(Opts(/*slots=*/2, /*inflight=*/2, /*chunk=*/8));
+  Start();
+  ASSERT_TRUE(Submit("a", {1}, 5).ok());
+  Sent s;
+  ASSERT_TRUE(Answer(&s));  // a's prefill; a is in group 0, decoding
+  ASSERT_TRUE(Submit("b", {10}, 5).ok());
+  // The next two micro-batches: a's decode and b's prefill (one group each). The one
+  // holding b fails in the model.
+  Sent x, y;
+  for (Sent* n : {&x, &y}) {
+    absl::MutexLock lock(&mu_);
+    auto any = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !sent_.empty(); };
+    ASSERT_TRUE(mu_.AwaitWithTimeout(absl::Condition(&any), absl::Seconds(10)));
+    *n = sent_.front();
+    sent_.pop_front();
+  }
+  for (Sent* n : {&x, &y}) {
+    ServeResult r;
+    r.set_attempt(0);
+    r.set_step(n->batch.step());
+    if (n->idx[0][0].item<int64_t>() == 10) {
+      r.set_ok(false);
+      r.set_aborted(true);
+      r.set_error("index out of range in self");
+    } else {
+      r.set_ok(true);
+      r.add_tokens(n->idx[0][n->idx.size(1) - 1].item<int64_t>() + 1);
+    }
+    queue_->OnResult(r);
+  }
+  RunUntilEnded({"a", "b"});
+  EXPECT_TRUE(absl::IsInternal(Get("b").status)) << Get("b").status;
+  EXPECT_NE(Get("b").status.message().find("index out of range in self"), std::string::npos);
+  EXPECT_TRUE(Get("a").status.ok());
+  EXPECT_EQ(Get("a").tokens, (std::vector<int64_t>{2, 3, 4, 5, 6}));
+}
+
 TEST_F(GenerationQueueTest, CancelFreesTheSlotAndTheQueueIsBounded) {
   GenerationQueue::Options o = Opts(/*slots=*/1, /*inflight=*/1, /*chunk=*/8);
   o.max_queued = 1;

@@ -116,6 +116,11 @@ absl::Status CheckServing(JobSpec* spec) {
       return Bad("tensor_parallel", "generation with tensor parallelism is not supported yet; serve it without "
                                     "--tensor-parallel");
     }
+    if (spec->precision() == PRECISION_BF16) {
+      // Autocast would write bf16 keys and values into the fp32 caches.
+      return Bad("precision", "generation in bf16 is not supported yet (the caches are the model's fp32 buffers); "
+                              "serve it in fp32, or script the model in bf16 (.to(torch.bfloat16)) and serve that");
+    }
   }
   return absl::OkStatus();
 }
