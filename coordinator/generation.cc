@@ -38,6 +38,7 @@ struct Sequence {
   std::vector<int64_t> generated;
   bool inflight = false;
   bool finished = false;
+  int64_t last_step = -1;    // its last micro-batch (the longest unserved go first)
   double ttft_ms = -1;
 
   bool Cancelled() const { return cancelled != nullptr && cancelled->load(); }
@@ -241,6 +242,12 @@ struct GenerationQueue::Impl {
       if (members.empty()) continue;
       std::vector<std::shared_ptr<Sequence>> decodes, prefills;
       for (const auto& s : members) (s->Prefilling() ? prefills : decodes).push_back(s);
+      // A group larger than a micro-batch (max_batch) takes turns: longest waiting first.
+      auto by_turn = [](const std::shared_ptr<Sequence>& x, const std::shared_ptr<Sequence>& y) {
+        return x->last_step < y->last_step;
+      };
+      std::stable_sort(decodes.begin(), decodes.end(), by_turn);
+      std::stable_sort(prefills.begin(), prefills.end(), by_turn);
       const int64_t cap = std::max(1, options.max_batch);
       b.group = g;
       b.prefill = !prefills.empty() && (decodes.empty() || !group_last_prefill[static_cast<size_t>(g)]);
@@ -298,6 +305,7 @@ struct GenerationQueue::Impl {
       sr->set_seed(s.req.seed);
       sr->set_token_index(static_cast<int64_t>(s.generated.size()));
       s.inflight = true;
+      s.last_step = step;
     }
     if (b.prefill) {
       ++prefill_batches;

@@ -189,6 +189,32 @@ TEST_F(GenerationQueueTest, ALongPromptsChunksAlternateWithTheDecodes) {
   EXPECT_EQ(Get("long").tokens, (std::vector<int64_t>{4, 5}));
 }
 
+TEST_F(GenerationQueueTest, AGroupLargerThanAMicroBatchTakesTurns) {
+  GenerationQueue::Options o = Opts(/*slots=*/6, /*inflight=*/1, /*chunk=*/8);
+  o.max_batch = 2;  // 6 sequences in one group, 2 rows per micro-batch
+  Make(o);
+  Start();
+  std::vector<std::string> names;
+  for (int i = 0; i < 6; ++i) {
+    names.push_back("s" + std::to_string(i));
+    ASSERT_TRUE(Submit(names.back(), {100 * (i + 1)}, 4).ok());
+  }
+  std::vector<Sent> seen = RunUntilEnded(names);
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(Get(names[static_cast<size_t>(i)]).tokens.size(), 4u) << names[static_cast<size_t>(i)];
+  // Every sequence is served once in every 3 micro-batches: none waits more than 2 turns.
+  std::map<int64_t, int> last;  // slot -> index of its last micro-batch
+  for (int k = 0; k < static_cast<int>(seen.size()); ++k) {
+    EXPECT_LE(seen[static_cast<size_t>(k)].idx.size(0), 2);
+    for (int64_t b = 0; b < seen[static_cast<size_t>(k)].idx.size(0); ++b) {
+      const int64_t slot = seen[static_cast<size_t>(k)].slots[b].item<int64_t>();
+      if (last.count(slot) > 0) {
+        EXPECT_LE(k - last[slot], 3) << "slot " << slot << " at micro-batch " << k;
+      }
+      last[slot] = k;
+    }
+  }
+}
+
 TEST_F(GenerationQueueTest, TwoMicroBatchesInFlightWhileSequencesAreEnough) {
   Make(Opts(/*slots=*/4, /*inflight=*/2, /*chunk=*/8));
   Start();
