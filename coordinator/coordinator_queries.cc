@@ -299,12 +299,13 @@ std::string Coordinator::MetricsText() {
       if (run->checkpoint_time() != absl::InfinitePast()) {
         snapshot.ages.push_back({id, absl::ToDoubleSeconds(now - run->checkpoint_time())});
       }
+      // The counters View() put in the job (Stats() sorts its latency windows: once a scrape).
+      const ServingStats& stats = snapshot.jobs.back().serving();
       if (auto serving = std::dynamic_pointer_cast<ServingQueue>(run->serving())) {
-        snapshot.serving.push_back({id, serving->Stats(), serving->LatencySeconds()});
+        snapshot.serving.push_back({id, stats, serving->LatencySeconds()});
       }
       if (auto generation = std::dynamic_pointer_cast<GenerationQueue>(run->serving())) {
-        snapshot.generation.push_back(
-            {id, generation->Stats().generation(), generation->TtftSeconds(), generation->ItlSeconds()});
+        snapshot.generation.push_back({id, stats.generation(), generation->TtftSeconds(), generation->ItlSeconds()});
       }
     }
     for (const auto& [id, w] : workers_->all()) {

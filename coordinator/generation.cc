@@ -69,10 +69,13 @@ struct Traced {
 };
 constexpr size_t kTraced = 256;
 
-double Percentile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
+// p50 and p99 of a window, from one sorted copy.
+std::pair<double, double> P50P99(const std::deque<double>& window) {
+  if (window.empty()) return {0, 0};
+  std::vector<double> v(window.begin(), window.end());
   std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size())))];
+  auto at = [&](double q) { return v[std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size())))]; };
+  return {at(0.5), at(0.99)};
 }
 
 }  // namespace
@@ -165,9 +168,8 @@ struct GenerationQueue::Impl {
     wake.Signal();  // a slot is free
   }
 
-  // Requests whose clients went away: those waiting leave the queue, those holding a
-  // slot (and not in the pipeline) end now.
-  void DropCancelled(Calls* calls) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  // Waiting requests whose clients went away leave the queue.
+  void DropCancelledWaiting(Calls* calls) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     for (auto it = waiting.begin(); it != waiting.end();) {
       if ((*it)->Cancelled()) {
         Finish(**it, absl::CancelledError("the client went away"), "", {}, calls);
@@ -176,6 +178,12 @@ struct GenerationQueue::Impl {
         ++it;
       }
     }
+  }
+
+  // Requests whose clients went away: those waiting leave the queue, those holding a
+  // slot (and not in the pipeline) end now.
+  void DropCancelled(Calls* calls) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    DropCancelledWaiting(calls);
     std::vector<std::shared_ptr<Sequence>> gone;
     for (const auto& s : active) {
       if (!s->inflight && s->Cancelled()) gone.push_back(s);
@@ -369,24 +377,14 @@ struct GenerationQueue::Impl {
       if (started) {
         DropCancelled(&calls);
         Admit();
-        if (static_cast<int>(inflight.size()) < std::max(1, options.max_inflight)) {
-          Batch b = Form();
-          if (!b.rows.empty()) {
-            RunUnlocked(calls);
-            Send(std::move(b));
-            continue;
-          }
+        Batch b = Form();  // empty once every group is in the pipeline
+        if (!b.rows.empty()) {
+          RunUnlocked(calls);
+          Send(std::move(b));
+          continue;
         }
       } else {
-        // Not started: the waiting ones whose clients left still leave.
-        for (auto it = waiting.begin(); it != waiting.end();) {
-          if ((*it)->Cancelled()) {
-            Finish(**it, absl::CancelledError("the client went away"), "", {}, &calls);
-            it = waiting.erase(it);
-          } else {
-            ++it;
-          }
-        }
+        DropCancelledWaiting(&calls);  // not started: the waiting ones whose clients left still leave
       }
       RunUnlocked(calls);
       if (exiting) break;
@@ -680,10 +678,12 @@ ServingStats GenerationQueue::Stats() const {
     const double span = std::max(0.001, absl::ToDoubleSeconds(std::min(kRateWindow, now - m.token_times.front())));
     g->set_tokens_per_second(static_cast<double>(recent) / span);
   }
-  g->set_ttft_p50_ms(Percentile({m.ttft_ms.begin(), m.ttft_ms.end()}, 0.5));
-  g->set_ttft_p99_ms(Percentile({m.ttft_ms.begin(), m.ttft_ms.end()}, 0.99));
-  g->set_itl_p50_ms(Percentile({m.itl_ms.begin(), m.itl_ms.end()}, 0.5));
-  g->set_itl_p99_ms(Percentile({m.itl_ms.begin(), m.itl_ms.end()}, 0.99));
+  const auto [ttft50, ttft99] = P50P99(m.ttft_ms);
+  const auto [itl50, itl99] = P50P99(m.itl_ms);
+  g->set_ttft_p50_ms(ttft50);
+  g->set_ttft_p99_ms(ttft99);
+  g->set_itl_p50_ms(itl50);
+  g->set_itl_p99_ms(itl99);
   g->set_prefill_microbatches(m.prefill_batches);
   g->set_decode_microbatches(m.decode_batches);
   g->set_mean_decode_rows(m.decode_batches > 0 ? static_cast<double>(m.decode_rows) / m.decode_batches : 0);

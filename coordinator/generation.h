@@ -57,8 +57,7 @@ class GenerationQueue : public RequestQueue {
  public:
   struct Options {
     std::string job_id;        // for logs
-    int stages = 1;
-    int max_inflight = 1;      // micro-batches in the pipeline at once (>= 1)
+    int max_inflight = 1;      // groups, each one micro-batch in the pipeline at once (>= 1; the job's stages)
     int max_batch = 32;        // sequences per micro-batch
     int max_slots = 1;         // of the caches
     int max_seq = 1;           // positions per slot

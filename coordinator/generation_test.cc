@@ -119,7 +119,6 @@ class GenerationQueueTest : public ::testing::Test {
 
 GenerationQueue::Options Opts(int slots, int inflight, int chunk, int max_seq = 64) {
   GenerationQueue::Options o;
-  o.stages = inflight;
   o.max_inflight = inflight;
   o.max_batch = slots;
   o.max_slots = slots;

@@ -440,10 +440,11 @@ grpc::Status CoordinatorGrpc::Generate(grpc::ServerContext* context, const Gener
   } else {
     r.prompt.assign(request->tokens().begin(), request->tokens().end());
   }
-  r.max_new_tokens = request->max_new_tokens() > 0 ? request->max_new_tokens() : 16;
   if (request->max_new_tokens() < 0) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "max_new_tokens: must not be negative (0: 16)");
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("max_new_tokens: must not be negative (0: ", r.max_new_tokens, ")"));
   }
+  if (request->max_new_tokens() > 0) r.max_new_tokens = request->max_new_tokens();  // else Request's default
   r.temperature = request->temperature();
   r.top_k = request->top_k();
   r.top_p = request->top_p();

@@ -21,8 +21,7 @@ std::shared_ptr<RequestQueue> MakeServingQueue(const Job& job) {
   if (sv.has_generation()) {
     GenerationQueue::Options o;
     o.job_id = job.job_id();
-    o.stages = job.plan().stages_size();
-    o.max_inflight = sv.max_inflight() > 0 ? sv.max_inflight() : std::max(1, o.stages);
+    o.max_inflight = sv.max_inflight() > 0 ? sv.max_inflight() : std::max(1, job.plan().stages_size());
     o.max_batch = std::max(1, sv.max_batch());
     o.max_slots = std::max(1, sv.generation().max_slots());
     o.max_seq = std::max(1, sv.generation().max_seq());
