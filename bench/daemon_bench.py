@@ -123,17 +123,22 @@ def pippy_run(d, tmp, name, schedule, m, batch, steps, replicas=1):
     return batch / statistics.mean(times), job, j
 
 
-def gloo_run(bench_dir, tmp, name, schedule, m, batch, steps, env, replicas=1):
+def gloo_peers(script, world, args, env):
+    """Runs `script RANK WORLD PORT ARGS...` as `world` torch.distributed processes over
+    gloo on 127.0.0.1; returns what rank 0 printed (samples/s) as a float."""
     port = free_port()
-    world = P * replicas
-    args = [f"{tmp}/{name}.pt", f"{tmp}/{name}.data.pt", schedule, str(m), str(batch), str(steps), str(replicas)]
-    others = [subprocess.Popen(["/usr/bin/python3", f"{bench_dir}/daemon_bench_gloo.py", str(r), str(world),
-                                str(port)] + args, env=env, stdout=subprocess.DEVNULL) for r in range(1, world)]
-    out = subprocess.run(["/usr/bin/python3", f"{bench_dir}/daemon_bench_gloo.py", "0", str(world), str(port)] + args,
+    others = [subprocess.Popen(["/usr/bin/python3", script, str(r), str(world), str(port)] + args, env=env,
+                               stdout=subprocess.DEVNULL) for r in range(1, world)]
+    out = subprocess.run(["/usr/bin/python3", script, "0", str(world), str(port)] + args,
                          env=env, capture_output=True, text=True, check=True)
     for o in others:
         o.wait(timeout=600)
     return float(out.stdout)
+
+
+def gloo_run(bench_dir, tmp, name, schedule, m, batch, steps, env, replicas=1):
+    args = [f"{tmp}/{name}.pt", f"{tmp}/{name}.data.pt", schedule, str(m), str(batch), str(steps), str(replicas)]
+    return gloo_peers(f"{bench_dir}/daemon_bench_gloo.py", P * replicas, args, env)
 
 
 def main():

@@ -21,7 +21,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from daemon_bench import Daemons, free_port, make_model  # noqa: E402
+from daemon_bench import Daemons, gloo_peers, make_model  # noqa: E402
 
 
 def plan(layers):
@@ -44,17 +44,8 @@ def pippy_run(d, tmp, P, T, a):
 
 
 def peer_run(bench_dir, tmp, P, T, a, env):
-    port = free_port()
-    world = P * T
     args = [f"{tmp}/m.pt", f"{tmp}/m.data.pt", str(P), str(a.microbatches), str(a.batch), str(a.steps)]
-    script = f"{bench_dir}/tp_bench_gloo.py"
-    others = [subprocess.Popen(["/usr/bin/python3", script, str(r), str(world), str(port)] + args, env=env,
-                               stdout=subprocess.DEVNULL) for r in range(1, world)]
-    out = subprocess.run(["/usr/bin/python3", script, "0", str(world), str(port)] + args, env=env,
-                         capture_output=True, text=True, check=True)
-    for o in others:
-        o.wait(timeout=600)
-    return float(out.stdout)
+    return gloo_peers(f"{bench_dir}/tp_bench_gloo.py", P * T, args, env)
 
 
 def main():
