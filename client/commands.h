@@ -36,6 +36,13 @@ inline constexpr char kSplitDescription[] =
     "places where only tensors cross, preferring module boundaries).";
 void AddSplitCommand(CLI::App& root);
 void AddSplitOptions(CLI::App* split, const GlobalFlags& globals, int* exit_code);
+// `plan` (also in pippyctl-split, LibTorch): the auto plan offline, for a model, its
+// data and the workers described by flags (docs/autoplan.md).
+inline constexpr char kPlanDescription[] =
+    "Choose a plan offline, as submit with auto values does: measure the model on the data's first batch (per span: "
+    "forward, input- and weight-backward for each micro-batch size) and simulate every schedule x micro-batches x "
+    "stages for the workers described; prints the candidates ranked and why the first won.";
+void AddPlanOptions(CLI::App* plan, const GlobalFlags& globals, int* exit_code);
 // Replaces this process with pippyctl-split, passing `args` (what followed `split`)
 // and the global --output. Returns only if that fails (the exit code).
 int RunSplitProgram(const std::vector<std::string>& args, const GlobalFlags& globals);

@@ -59,6 +59,7 @@ int main(int argc, char** argv) {
     if (arg.rfind("--output=", 0) == 0) globals.output = arg.substr(9);
     if (arg.empty() || arg[0] == '-') continue;
     if (arg == "split") return RunSplitProgram(std::vector<std::string>(argv + i + 1, argv + argc), globals);
+    if (arg == "plan") return RunSplitProgram(std::vector<std::string>(argv + i, argv + argc), globals);
     break;
   }
   if (auto code = Parse(app, argc, argv)) return *code;

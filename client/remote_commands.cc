@@ -33,6 +33,7 @@
 #include "common/tls.h"
 #include "google/protobuf/util/json_util.h"
 #include "grpcpp/grpcpp.h"
+#include "pipeline/autoplan/chooser.h"
 #include "pipeline/job/job_spec.h"
 #include "pipeline/tensor_parallel/tp_plan.h"
 #include "proto/coordinator.grpc.pb.h"
@@ -68,6 +69,7 @@ absl::Status InCliWords(const absl::Status& s, const std::string& model, const s
       {"schedule.stages_per_worker", "--stages-per-worker"},
       {"schedule.kind", "--schedule"},
       {"split.stages", "--stages"},
+      {"auto_plan", "auto"},
       {"split.split_at", "--split-at"},
       {"split.balance", "--balance"},
       {"serving.max_batch", "--max-batch"},
@@ -188,6 +190,23 @@ void PrintJob(const Job& j) {
   }
   if (j.samples_per_second() > 0) {
     std::cout << absl::StrFormat(", %.0f samples/s, bubble %.0f%%", j.samples_per_second(), 100 * j.bubble_fraction());
+  }
+  if (const PlanChoice& c = j.plan().choice(); c.candidates_size() > 0) {
+    // What auto chose, and the prediction beside the measurement.
+    const PlanCandidate& w = c.candidates(0);
+    std::cout << "\n  auto plan (" << absl::StrJoin(c.chosen(), ", ") << "): " << job::ScheduleName(w.schedule())
+              << ", " << w.microbatches() << " micro-batches, " << w.stages() << " stages on " << w.workers()
+              << " workers";
+    if (!c.fallback().empty()) {
+      std::cout << ", the defaults (costs not measured: " << FirstLine(c.fallback(), 120) << ")";
+    } else {
+      std::cout << absl::StrFormat("; predicted %.1f samples/s", w.samples_per_second());
+      if (j.samples_per_second() > 0) {
+        std::cout << absl::StrFormat(", measured %.1f (%.2fx)", j.samples_per_second(),
+                                     j.samples_per_second() / w.samples_per_second());
+      }
+      std::cout << " (" << c.candidates_size() << " candidates; submit --explain lists them)";
+    }
   }
   if (j.losses_size() > 1 || j.evals_size() > 0) {
     // Both curves, compactly: at most 8 points of the training loss (evenly spaced, the
@@ -441,7 +460,7 @@ int JobExitCode(const Job& job) {
 
 // Where to cut the model: submit's and serve's flags, and the SplitSpec they make.
 struct SplitFlags {
-  int stages = 0;
+  std::string stages;  // N, or auto (chosen among the workers: JobSpec.auto_plan)
   std::vector<std::string> split_at;
   std::string balance = "params";
   int tensor_parallel = 1;
@@ -449,7 +468,10 @@ struct SplitFlags {
 };
 
 void AddSplitFlags(CLI::App* cmd, SplitFlags* f) {
-  cmd->add_option("--stages", f->stages, "split automatically into this many stages")->check(cli::Positive());
+  cmd->add_option("--stages", f->stages,
+                  "split automatically into this many stages; auto: pippy chooses, up to the idle workers, from "
+                  "measured costs (docs/autoplan.md)")
+      ->check(cli::PositiveOrAuto());
   cmd->add_option("--split-at", f->split_at, "or cut before these modules (see pippyctl split --help)")
       ->delimiter(',');
   cli::AddNameOption<Balance>(cmd, "--balance", &f->balance, "balance", "what an automatic split equalises")
@@ -465,7 +487,11 @@ void AddSplitFlags(CLI::App* cmd, SplitFlags* f) {
 }
 
 absl::Status SetSplit(const SplitFlags& f, JobSpec* spec) {
-  spec->mutable_split()->set_stages(f.stages);
+  if (f.stages == "auto") {
+    spec->mutable_auto_plan()->set_stages(true);
+  } else if (!f.stages.empty()) {
+    spec->mutable_split()->set_stages(std::stoi(f.stages));
+  }
   for (const std::string& p : f.split_at) spec->mutable_split()->add_split_at(p);
   auto balance = job::ParseBalance(f.balance);
   if (!balance.ok()) return balance.status();
@@ -498,7 +524,9 @@ struct SubmitFlags {
   int seq_len = 0, epochs = 0;
   SplitFlags split;
   std::string schedule, loss, optimizer, lr_schedule;
-  int microbatches = 0, batch_size = 0, stages_per_worker = 0, warmup_steps = 0;
+  std::string microbatches;  // N, or auto
+  int batch_size = 0, stages_per_worker = 0, warmup_steps = 0;
+  bool explain = false;
   std::optional<int> steps;
   double lr = 0.01, momentum = 0, clip = 0, min_lr = 0;
   std::optional<double> weight_decay, beta1, beta2, eps;
@@ -517,10 +545,19 @@ absl::StatusOr<JobSpec> SpecFrom(const SubmitFlags& f) {
   if (!split.ok()) return split;
   absl::Status precision = SetPrecision(f.dtype, &spec);
   if (!precision.ok()) return precision;
-  auto kind = job::ParseSchedule(f.schedule);
-  if (!kind.ok()) return absl::InvalidArgumentError(absl::StrCat("schedule.kind: ", kind.status().message()));
+  absl::StatusOr<ScheduleKind> kind = SCHEDULE_KIND_UNSPECIFIED;
+  if (f.schedule == "auto") {
+    spec.mutable_auto_plan()->set_schedule(true);
+  } else {
+    kind = job::ParseSchedule(f.schedule);
+    if (!kind.ok()) return absl::InvalidArgumentError(absl::StrCat("schedule.kind: ", kind.status().message()));
+  }
   spec.mutable_schedule()->set_kind(*kind);
-  spec.mutable_schedule()->set_microbatches(f.microbatches);
+  if (f.microbatches == "auto") {
+    spec.mutable_auto_plan()->set_microbatches(true);
+  } else {
+    spec.mutable_schedule()->set_microbatches(std::stoi(f.microbatches));
+  }
   spec.mutable_schedule()->set_stages_per_worker(f.stages_per_worker);
   if (*kind != SCHEDULE_INFERENCE) {
     if (!f.loss.empty()) {
@@ -711,6 +748,27 @@ absl::StatusOr<std::string> Submit(Coordinator::Stub* stub, const JobSpec& spec,
   return resp.job_id();
 }
 
+// The job once the coordinator prepared it (a detached submission is PARTITIONING
+// until then): within 10 minutes.
+absl::StatusOr<Job> GetJobUntilPrepared(Coordinator::Stub* stub, const std::string& id, const GlobalFlags& g) {
+  const absl::Time deadline = absl::Now() + absl::Minutes(10);
+  while (true) {
+    grpc::ClientContext ctx;
+    Authorize(&ctx, g);
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    GetJobRequest req;
+    req.set_job_id(id);
+    Job job;
+    grpc::Status s = stub->GetJob(&ctx, req, &job);
+    if (!s.ok()) return FromGrpc(s, g.coordinator);
+    if (job.state() != PARTITIONING) return job;
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(absl::StrCat("job ", id, " is still being prepared after 10 minutes"));
+    }
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+}
+
 int RunSubmit(const SubmitFlags& f, const GlobalFlags& g) {
   auto spec = SpecFrom(f);
   if (!spec.ok()) return Fail(kProgram, InCliWords(spec.status(), f.model, f.data));
@@ -724,6 +782,15 @@ int RunSubmit(const SubmitFlags& f, const GlobalFlags& g) {
   absl::StatusOr<std::string> id = Submit(stub.get(), *spec, f.model, f.data, g, f.detach, shards);
   if (!id.ok()) return Fail(kProgram, InCliWords(id.status(), f.model, f.data));
   const bool json = g.output == "json";
+  if (f.explain && !json) {
+    absl::StatusOr<Job> prepared = GetJobUntilPrepared(stub.get(), *id, g);
+    if (!prepared.ok()) return Fail(kProgram, prepared.status());
+    if (prepared->plan().has_choice()) {
+      std::cerr << autoplan::RenderChoice(prepared->plan().choice());
+    } else {
+      std::cerr << kProgram << ": note: --explain: the plan was given, not chosen (no auto value)\n";
+    }
+  }
   if (!f.wait) return kExitOk;
   auto job = Watch(stub.get(), *id, g);
   if (!job.ok()) return Fail(kProgram, job.status());
@@ -771,11 +838,20 @@ void AddSubmit(CLI::App& root, const GlobalFlags& g, int* exit_code) {
                                  "batch size, the last partial batch of each epoch dropped)")
                      ->check(cli::Positive());
   AddSplitFlags(cmd, &f->split);
-  cli::AddNameOption<ScheduleKind>(cmd, "--schedule", &f->schedule, "schedule", "pipeline schedule")->required();
+  cli::AddNameOption<ScheduleKind>(cmd, "--schedule", &f->schedule, "schedule",
+                                    "pipeline schedule; auto: pippy chooses from measured costs (docs/autoplan.md)",
+                                    /*allow_auto=*/true)
+      ->required();
   cmd->add_option("--stages-per-worker", f->stages_per_worker,
                   "stages each worker holds (interleaved schedules; default: the schedule's)")
       ->check(cli::Positive());
-  cmd->add_option("--microbatches", f->microbatches, "micro-batches per step")->required()->check(cli::Positive());
+  cmd->add_option("--microbatches", f->microbatches,
+                  "micro-batches per step; auto: pippy chooses from measured costs (docs/autoplan.md)")
+      ->required()
+      ->check(cli::PositiveOrAuto());
+  cmd->add_flag("--explain", f->explain,
+                "with auto: print every candidate plan, ranked (predicted samples/s, bubble, peak memory per "
+                "rank) and why the chosen one won");
   cmd->add_option("--batch-size", f->batch_size, "samples per step (a multiple of --microbatches)")
       ->required()
       ->check(cli::Positive());

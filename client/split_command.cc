@@ -13,7 +13,14 @@
 #include "common/cli.h"
 #include "common/proto_json.h"
 #include "common/torch_status.h"
+#include <thread>
+
+#include "ATen/Parallel.h"
+
+#include "pipeline/autoplan/chooser.h"
+#include "pipeline/autoplan/profile.h"
 #include "pipeline/job/job_spec.h"
+#include "pipeline/stage/data_source.h"
 #include "pipeline/torchio/model_io.h"
 #include "pipeline/partition/partition.h"
 #include "pipeline/partition/pipe_io.h"
@@ -100,9 +107,27 @@ struct SplitFlags {
   std::string example_input;
   std::string out;
   bool list_cuts = false;
+  bool profile = false;
   int tensor_parallel = 1;
   std::string tp_plan;
 };
+
+// `split --profile`: the model's spans measured on the example input as one batch.
+int RunProfile(const torch::jit::Module& model, const std::vector<c10::IValue>& inputs, const GlobalFlags& g) {
+  int64_t samples = 0;
+  for (const c10::IValue& v : inputs) {
+    if (v.isTensor() && v.toTensor().dim() > 0) {
+      samples = v.toTensor().size(0);
+      break;
+    }
+  }
+  autoplan::ProfileOptions po;
+  po.microbatch_sizes = autoplan::CandidateSizes(samples);
+  absl::StatusOr<ModelProfile> profile = autoplan::ProfileModel(model, inputs, po);
+  if (!profile.ok()) return Fail(kProgram, profile.status());
+  std::cout << (g.output == "json" ? ProtoToJson(*profile) + "\n" : autoplan::RenderProfile(*profile));
+  return kExitOk;
+}
 
 int RunSplit(const SplitFlags& f, const GlobalFlags& g) {
   torch::jit::setGraphExecutorOptimize(false);
@@ -142,6 +167,12 @@ int RunSplit(const SplitFlags& f, const GlobalFlags& g) {
     auto inputs = torchio::LoadExampleInputs(f.example_input, *model);
     if (!inputs.ok()) return Fail(kProgram, inputs.status());
     opts.example_inputs = *inputs;
+  }
+  if (f.profile) {
+    if (f.example_input.empty()) {
+      return Fail(kProgram, absl::InvalidArgumentError("--profile needs --example-input FILE (a batch to measure on)"));
+    }
+    return RunProfile(*model, opts.example_inputs, g);
   }
   std::optional<TensorParallelSpec> tp_spec;
   if (f.tensor_parallel > 1 || !f.tp_plan.empty()) {
@@ -186,7 +217,111 @@ int RunSplit(const SplitFlags& f, const GlobalFlags& g) {
   return kExitOk;
 }
 
+struct PlanFlags {
+  std::string model, data, schedule = "auto", microbatches = "auto", stages = "auto", optimizer = "sgd";
+  int batch_size = 0, workers = 2, threads = 1, hosts = 0, host_cpus = 0, replicas = 1;
+  double momentum = 0;
+  int64_t memory = 0;
+};
+
+// `pippyctl plan`: what `submit` with auto values would choose, offline: the model
+// measured here, the candidates simulated for the workers described by the flags.
+int RunPlan(const PlanFlags& f, const GlobalFlags& g) {
+  torch::jit::setGraphExecutorOptimize(false);
+  at::set_num_threads(f.threads);
+  auto model = torchio::LoadModel(f.model);
+  if (!model.ok()) return Fail(kProgram, model.status());
+  absl::StatusOr<std::string> bytes = torchio::ReadFile(f.data);
+  if (!bytes.ok()) return Fail(kProgram, bytes.status());
+  const std::vector<std::string> names = torchio::ForwardArgumentNames(*model);
+  absl::StatusOr<stage::DataSource> data = stage::DataSource::FromBytes(*bytes, names);
+  if (!data.ok()) return Fail(kProgram, data.status());
+  JobSpec spec;
+  spec.set_mode(MODE_TRAIN);
+  spec.set_batch_size(f.batch_size);
+  spec.set_replicas(f.replicas);
+  AutoPlanSpec* a = spec.mutable_auto_plan();
+  if (f.schedule == "auto") {
+    a->set_schedule(true);
+  } else {
+    absl::StatusOr<ScheduleKind> kind = job::ParseSchedule(f.schedule);
+    if (!kind.ok()) return Fail(kProgram, kind.status());
+    spec.mutable_schedule()->set_kind(*kind);
+    if (*kind == SCHEDULE_INFERENCE) spec.set_mode(MODE_INFERENCE);
+  }
+  if (f.microbatches == "auto") {
+    a->set_microbatches(true);
+  } else {
+    spec.mutable_schedule()->set_microbatches(std::stoi(f.microbatches));
+  }
+  if (f.stages == "auto") {
+    a->set_stages(true);
+  } else {
+    spec.mutable_split()->set_stages(std::stoi(f.stages));
+  }
+  absl::StatusOr<OptimizerKind> optimizer = job::ParseOptimizer(f.optimizer);
+  if (!optimizer.ok()) return Fail(kProgram, optimizer.status());
+  spec.mutable_optimizer()->set_kind(*optimizer);
+  spec.mutable_optimizer()->set_momentum(f.momentum);
+  const int hosts = f.hosts > 0 ? f.hosts : f.workers;
+  const int cpus = f.host_cpus > 0 ? f.host_cpus : static_cast<int>(std::thread::hardware_concurrency());
+  for (int w = 0; w < f.workers; ++w) {
+    WorkerCapacity* c = a->add_workers();
+    c->set_host(absl::StrCat("host-", w % hosts));
+    c->set_threads(f.threads);
+    c->set_host_cpus(cpus);
+    c->set_free_memory(f.memory);
+  }
+  const int64_t per_replica = f.batch_size / std::max(1, f.replicas);
+  autoplan::ProfileOptions po;
+  po.microbatch_sizes =
+      autoplan::CandidateSizes(per_replica, a->microbatches() ? 0 : spec.schedule().microbatches() );
+  po.train = spec.mode() == MODE_TRAIN;
+  po.optimizer = *optimizer;
+  const std::vector<c10::IValue> batch = data->Inputs(0, per_replica);
+  absl::StatusOr<ModelProfile> profile = autoplan::ProfileModel(*model, batch, po);
+  if (!profile.ok()) return Fail(kProgram, profile.status());
+  absl::StatusOr<PlanChoice> choice = autoplan::ChoosePlan(spec, *profile);
+  if (!choice.ok()) return Fail(kProgram, choice.status());
+  if (g.output == "json") {
+    std::cout << ProtoToJson(*choice) << "\n";
+  } else {
+    std::cout << "model " << f.model << ", batch " << f.batch_size << ", " << f.workers << " workers of " << f.threads
+              << " thread(s) on " << hosts << " host(s) of " << cpus << " cores; measured in "
+              << absl::StrFormat("%.1f s", profile->seconds()) << "\n\n"
+              << autoplan::RenderChoice(*choice);
+  }
+  return kExitOk;
+}
+
 }  // namespace
+
+void AddPlanOptions(CLI::App* cmd, const GlobalFlags& globals, int* exit_code) {
+  auto f = std::make_shared<PlanFlags>();
+  cmd->add_option("MODEL", f->model, "the TorchScript file")->required()->check(CLI::ExistingFile);
+  cmd->add_option("--data", f->data, "torch.save({\"inputs\": ..., \"targets\": ...}); the first batch is measured")
+      ->required()
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--batch-size", f->batch_size, "samples per step")->required()->check(cli::Positive());
+  cmd->add_option("--schedule", f->schedule, "a schedule, or auto")->capture_default_str();
+  cmd->add_option("--microbatches", f->microbatches, "N or auto")->check(cli::PositiveOrAuto())->capture_default_str();
+  cmd->add_option("--stages", f->stages, "N or auto (up to --workers)")->check(cli::PositiveOrAuto())
+      ->capture_default_str();
+  cmd->add_option("--workers", f->workers, "workers to plan for")->check(cli::Positive())->capture_default_str();
+  cmd->add_option("--threads", f->threads, "each worker's compute threads (measured with as many)")
+      ->check(cli::Positive())->capture_default_str();
+  cmd->add_option("--hosts", f->hosts, "hosts the workers are spread over, in turn (default: one each)")
+      ->check(cli::Positive());
+  cmd->add_option("--host-cpus", f->host_cpus, "cores per host (default: this machine's)")->check(cli::Positive());
+  cmd->add_option("--memory", f->memory, "free memory per worker, bytes (default: not checked)")
+      ->check(cli::NonNegative());
+  cmd->add_option("--replicas", f->replicas, "data-parallel copies of the pipeline")->check(cli::Positive())
+      ->capture_default_str();
+  cli::AddNameOption<OptimizerKind>(cmd, "--optimizer", &f->optimizer, "optimizer", "the optimizer")
+      ->capture_default_str();
+  cmd->add_option("--momentum", f->momentum, "sgd momentum")->check(cli::NonNegative());
+  cmd->callback([f, &globals, exit_code] { *exit_code = RunPlan(*f, globals); });
+}
 
 void AddSplitOptions(CLI::App* cmd, const GlobalFlags& globals, int* exit_code) {
   auto f = std::make_shared<SplitFlags>();
@@ -205,6 +340,10 @@ void AddSplitOptions(CLI::App* cmd, const GlobalFlags& globals, int* exit_code) 
   cmd->add_option("--out", f->out, "write DIR/stage_N.pt (standalone TorchScript modules with the original "
                                    "parameter names) and DIR/plan.json");
   cmd->add_flag("--list-cuts", f->list_cuts, "list every legal cut and its --split-at name instead of splitting");
+  cmd->add_flag("--profile", f->profile,
+                "measure the model instead of splitting: per span between legal cuts, forward, input-backward and "
+                "weight-backward times for micro-batches of the --example-input batch / 1, 2, 4, ... 32 (the costs "
+                "auto plans are chosen from; docs/autoplan.md)");
   cmd->add_option("--tensor-parallel", f->tensor_parallel,
                   "shard every stage across T ranks (tensor parallelism, as --tp-plan says); needs --example-input, "
                   "on which the shards are checked against the unsplit stages")

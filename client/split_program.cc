@@ -13,6 +13,8 @@ namespace pippy::cli {
 void AddSplitCommand(CLI::App& root) {
   CLI::App* cmd = root.add_subcommand("split", kSplitDescription);
   cmd->allow_extras();  // pippyctl-split parses them (pippyctl split --help lists them)
+  CLI::App* plan = root.add_subcommand("plan", kPlanDescription);
+  plan->allow_extras();  // pippyctl-split plan parses them
 }
 
 int RunSplitProgram(const std::vector<std::string>& args, const GlobalFlags& globals) {

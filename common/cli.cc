@@ -76,7 +76,8 @@ CLI::Validator NumberAbove(double low, bool inclusive, const std::string& name) 
 }  // namespace
 
 CLI::Option* AddNameOption(CLI::App* app, const std::string& flag, std::string* value, const std::string& what,
-                           const std::string& description, const google::protobuf::EnumDescriptor* e) {
+                           const std::string& description, const google::protobuf::EnumDescriptor* e,
+                           bool allow_auto) {
   std::vector<names::Choice> choices = names::ChoicesOf(e);
   size_t width = 0;
   for (const names::Choice& c : choices) width = std::max(width, c.name.size());
@@ -86,11 +87,13 @@ CLI::Option* AddNameOption(CLI::App* app, const std::string& flag, std::string* 
     absl::StrAppend(&help, "\n  ", c.name, std::string(width - c.name.size() + 2, ' '), c.help);
     aliases.insert(aliases.end(), c.aliases.begin(), c.aliases.end());
   }
+  if (allow_auto) absl::StrAppend(&help, "\n  auto", std::string(width > 4 ? width - 4 + 2 : 2, ' '), "pippy chooses");
   if (!aliases.empty()) {
     absl::StrAppend(&help, "\n  (also: ", absl::StrJoin(aliases, ", "), "; case, - and _ do not matter)");
   }
   CLI::Validator check(
-      [e, what](std::string& text) -> std::string {
+      [e, what, allow_auto](std::string& text) -> std::string {
+        if (allow_auto && text == "auto") return std::string();
         absl::StatusOr<int> v = names::ParseIn(e, what, text);
         return v.ok() ? std::string() : std::string(v.status().message());
       },
@@ -100,6 +103,19 @@ CLI::Option* AddNameOption(CLI::App* app, const std::string& flag, std::string* 
 
 CLI::Validator Positive() { return NumberAbove(0, false, "> 0"); }
 CLI::Validator NonNegative() { return NumberAbove(0, true, ">= 0"); }
+
+CLI::Validator PositiveOrAuto() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        if (text == "auto") return std::string();
+        int64_t v = 0;
+        if (!absl::SimpleAtoi(text, &v) || v <= 0 || v > (int64_t{1} << 30)) {
+          return absl::StrCat("'", text, "' is not a whole number > 0 or auto");
+        }
+        return std::string();
+      },
+      "N|auto");
+}
 
 std::optional<std::string> UnknownCommand(const CLI::App& root, int argc, char** argv,
                                           const std::vector<std::string>& value_options) {

@@ -51,17 +51,20 @@ void Configure(CLI::App& app);
 // Validators with messages people can act on ("--stages: 'two' is not a number").
 CLI::Validator Positive();     // a number > 0
 CLI::Validator NonNegative();  // a number >= 0
+CLI::Validator PositiveOrAuto();  // a whole number > 0, or "auto" (pippy chooses it)
 
 // An option whose value is one of an enum's names (the table in proto/names.h): --help
 // lists each name with its help, and any other value is refused naming the option and
 // the names. `what` describes the option ("pipeline schedule") and names the value in
 // the refusal ("unknown schedule 'x': use ...").
 CLI::Option* AddNameOption(CLI::App* app, const std::string& flag, std::string* value, const std::string& what,
-                           const std::string& description, const google::protobuf::EnumDescriptor* names);
+                           const std::string& description, const google::protobuf::EnumDescriptor* names,
+                           bool allow_auto = false);
+// allow_auto: "auto" is accepted too (pippy chooses the value).
 template <typename E>
 CLI::Option* AddNameOption(CLI::App* app, const std::string& flag, std::string* value, const std::string& what,
-                           const std::string& description) {
-  return AddNameOption(app, flag, value, what, description, google::protobuf::GetEnumDescriptor<E>());
+                           const std::string& description, bool allow_auto = false) {
+  return AddNameOption(app, flag, value, what, description, google::protobuf::GetEnumDescriptor<E>(), allow_auto);
 }
 
 // If argv names a command `root` does not have ("pippyctl splat"), the error for it;

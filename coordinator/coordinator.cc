@@ -6,6 +6,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/grpc_limits.h"
 #include "common/log.h"
@@ -248,7 +249,44 @@ PrepareOptions Coordinator::PrepareOptionsFor(std::shared_ptr<const std::atomic<
   return prepare;
 }
 
+JobSpec Coordinator::WithWorkers(const JobSpec& spec) {
+  const AutoPlanSpec& a = spec.auto_plan();
+  if (!a.microbatches() && !a.schedule() && !a.stages()) return spec;
+  JobSpec out = spec;
+  AutoPlanSpec* plan = out.mutable_auto_plan();
+  plan->clear_workers();
+  absl::MutexLock lock(&mu_);
+  std::vector<std::string> ids = workers_->IdleIds();
+  if (ids.empty()) {
+    for (const auto& [id, w] : workers_->all()) ids.push_back(id);
+  }
+  for (const std::string& id : ids) {
+    const WorkerRegistry::Worker* w = workers_->Find(id);
+    if (w == nullptr) continue;
+    WorkerCapacity* c = plan->add_workers();
+    c->set_host(w->info.host());
+    c->set_free_memory(w->info.free_memory());
+    c->set_threads(std::max(1, w->info.threads()));
+    c->set_host_cpus(w->info.host_cpus());
+    c->set_gpu(w->device.is_gpu());
+  }
+  return out;
+}
+
 absl::Status Coordinator::Queue(JobRun& run, const PreparedJob& prepared, std::vector<std::string>* notices) {
+  const PlanChoice& choice = prepared.plan.choice();
+  if (choice.candidates_size() > 0) {
+    const PlanCandidate& c = choice.candidates(0);
+    run.AddEvent(absl::StrCat(
+        "plan chosen (auto ", absl::StrJoin(choice.chosen(), ", "), "): ", job::ScheduleName(c.schedule()), ", ",
+        c.microbatches(), " micro-batches, ", c.stages(), " stages on ", c.workers(), " workers",
+        choice.fallback().empty() ? absl::StrFormat(", %.1f samples/s predicted among %d candidates",
+                                                    c.samples_per_second(), choice.candidates_size())
+                                  : absl::StrCat(": the defaults, costs not measured (", choice.fallback(), ")")));
+    if (!choice.fallback().empty() && notices != nullptr) {
+      notices->push_back(absl::StrCat("auto plan: costs not measured (", choice.fallback(), "); the defaults were used"));
+    }
+  }
   for (const std::string& n : NoticesFor(prepared, workers_->size())) {
     run.AddEvent(absl::StrCat("note: ", n));
     if (notices != nullptr) notices->push_back(n);
@@ -291,7 +329,7 @@ absl::StatusOr<std::string> Coordinator::SubmitJob(const JobSpec& spec, std::uni
   }
   absl::Status slot = AcquireModelSlot();
   if (!slot.ok()) return slot;
-  absl::StatusOr<PreparedJob> prepared = PrepareJob(spec, upload->dir(), PrepareOptionsFor(nullptr, spec));
+  absl::StatusOr<PreparedJob> prepared = PrepareJob(WithWorkers(spec), upload->dir(), PrepareOptionsFor(nullptr, spec));
   ReleaseModelSlot();
   if (!prepared.ok()) return prepared.status();
   absl::MutexLock lock(&mu_);
@@ -355,7 +393,7 @@ void Coordinator::PrepareDetached(const std::string& job_id, const JobSpec& spec
   }
   if (!AcquireModelSlot().ok()) return;  // stopping: a restart prepares it again
   absl::StatusOr<PreparedJob> prepared =
-      ended->load() ? absl::CancelledError("ended") : PrepareJob(spec, artifacts_->JobDir(job_id), PrepareOptionsFor(ended, spec));
+      ended->load() ? absl::CancelledError("ended") : PrepareJob(WithWorkers(spec), artifacts_->JobDir(job_id), PrepareOptionsFor(ended, spec));
   ReleaseModelSlot();
   Outbox out;
   bool cancelled = false;

@@ -189,6 +189,10 @@ class Coordinator {
   // and when `ended` (a detached job's stop flag; may be null) is set.
   // An uploaded dataset's folder (spec's) is one more root, for that job only.
   PrepareOptions PrepareOptionsFor(std::shared_ptr<const std::atomic<bool>> ended, const JobSpec& spec) const;
+  // A spec that leaves its plan to pippy (JobSpec.auto_plan) with the workers it may
+  // use filled in: the idle ones, or every registered one when none is idle, in the
+  // order placement takes them. Other specs as they are.
+  JobSpec WithWorkers(const JobSpec& spec) ABSL_LOCKS_EXCLUDED(mu_);
   // A detached submission (PARTITIONING, its files in its job folder): prepared on a
   // task thread, then queued or FAILED. Ends quietly when the job was cancelled or
   // deleted meanwhile; when the coordinator stops, the record stays PARTITIONING and a

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <thread>
 
+#include "ATen/Parallel.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -18,6 +19,8 @@
 #include "pipeline/tensor_parallel/sharding.h"
 #include "common/torch_status.h"
 #include "coordinator/artifact_store.h"
+#include "pipeline/autoplan/chooser.h"
+#include "pipeline/autoplan/profile.h"
 #include "pipeline/job/layout.h"
 #include "pipeline/job/job_spec.h"
 #include "pipeline/torchio/model_io.h"
@@ -31,6 +34,8 @@
 #include "pipeline/stage/synthetic_data.h"
 #include "pipeline/stage/training.h"
 #include "torch/csrc/jit/runtime/graph_executor.h"
+
+extern "C" void openblas_set_num_threads(int) __attribute__((weak));
 
 namespace pippy::coordinator {
 namespace {
@@ -409,26 +414,95 @@ absl::StatusOr<PreparedJob> PrepareByRecords(const JobSpec& submitted, const std
   return out;
 }
 
+// The compute threads of the workers a plan may use (the fewest), for measuring as they run.
+int ThreadsOf(const JobSpec& spec) {
+  int threads = 0;
+  for (const WorkerCapacity& w : spec.auto_plan().workers()) {
+    if (w.threads() > 0) threads = threads == 0 ? w.threads() : std::min(threads, w.threads());
+  }
+  return std::max(1, threads);
+}
+
+// The plan the spec leaves to pippy: the model measured on the first batch (as many
+// threads as the workers compute with), every candidate simulated. Where the costs
+// cannot be measured, the defaults, with why (autoplan::Fallback).
+absl::StatusOr<PlanChoice> ChooseFor(const JobSpec& spec, const torch::jit::Module& model,
+                                     const std::vector<c10::IValue>& batch, const std::vector<std::string>& names) {
+  const int replicas = std::max(1, spec.replicas());
+  std::vector<c10::IValue> per_replica = batch;
+  if (replicas > 1) {
+    PIPPY_ASSIGN_OR_RETURN(auto split, Field("data", stage::SplitIntoMicrobatches(batch, replicas, {}, names)));
+    per_replica = split[0];
+  }
+  autoplan::ProfileOptions po;
+  po.microbatch_sizes = autoplan::CandidateSizes(spec.batch_size() / replicas,
+                                                 spec.auto_plan().microbatches() ? 0 : spec.schedule().microbatches());
+  po.train = spec.mode() == MODE_TRAIN;
+  po.optimizer = spec.optimizer().kind();
+  const int threads = ThreadsOf(spec), had = at::get_num_threads();
+  at::set_num_threads(threads);
+  if (openblas_set_num_threads) openblas_set_num_threads(threads);
+  absl::StatusOr<ModelProfile> profile = autoplan::ProfileModel(model, per_replica, po);
+  at::set_num_threads(had);
+  if (openblas_set_num_threads) openblas_set_num_threads(had);
+  if (!profile.ok()) {
+    log::Warn("auto plan: the model's costs could not be measured, using the defaults: {}", profile.status().message());
+    return autoplan::Fallback(spec, std::string(profile.status().message()));
+  }
+  absl::StatusOr<PlanChoice> choice = autoplan::ChoosePlan(spec, *profile);
+  if (!choice.ok()) {
+    const std::string msg(choice.status().message());
+    return absl::InvalidArgumentError(absl::StartsWith(msg, "split.") ? msg : absl::StrCat("auto_plan: ", msg));
+  }
+  return choice;
+}
+
 // The whole model loaded: for what runs the whole model (--balance flops or time, a
-// model with its own loss method) and archives the records path does not read.
+// model with its own loss method, an auto plan) and archives the records path does not read.
 absl::StatusOr<PreparedJob> PrepareWhole(const JobSpec& submitted, const std::string& dir, const Phase& phase,
                                          const PrepareOptions& options) {
   PreparedJob out;
   const absl::Time start = absl::Now();
   PIPPY_ASSIGN_OR_RETURN(torch::jit::Module model, LoadSubmitted(dir));
   const absl::Time loaded_at = absl::Now();
-  PIPPY_ASSIGN_OR_RETURN(JobData d, ReadData(submitted, dir, model, phase, options));
-  const JobSpec& spec = d.spec;
-  out.spec = spec;
+  // An auto plan reads the whole first batch (one micro-batch) to measure the model.
+  const bool choose = job::PlanPending(submitted);
+  JobSpec read = submitted;
+  if (choose) read.mutable_schedule()->set_microbatches(1);
+  PIPPY_ASSIGN_OR_RETURN(JobData d, ReadData(read, dir, model, phase, options));
+  JobSpec spec = d.spec;
   std::vector<c10::IValue> example = d.example;
+  std::optional<PlanChoice> choice;
+  if (choose) {
+    phase("profile");
+    spec.mutable_schedule()->set_microbatches(submitted.schedule().microbatches());
+    const std::vector<std::string> names = torchio::ForwardArgumentNames(model);
+    PIPPY_ASSIGN_OR_RETURN(choice, ChooseFor(spec, model, example, names));
+    autoplan::Apply(choice->candidates(0), &spec);
+    PIPPY_RETURN_IF_ERROR(job::CheckSpec(&spec));
+    const int m = spec.schedule().microbatches();
+    PIPPY_ASSIGN_OR_RETURN(auto mb_inputs, Field("data", stage::SplitIntoMicrobatches(example, m, {}, names)));
+    example = mb_inputs[0];
+    if (spec.mode() == MODE_TRAIN) {
+      PIPPY_ASSIGN_OR_RETURN(auto mb_targets,
+                             Field("data", stage::SplitIntoMicrobatches({d.target}, m, {}, {"targets"})));
+      d.target = mb_targets[0][0];
+    }
+    d.spec = spec;
+  }
+  out.spec = spec;
   phase("probe");
   PIPPY_RETURN_IF_ERROR(CheckOutput(spec, dir, model, partition::RunForwardOnce(model, example), d.target));
   const absl::Time checked_at = absl::Now();
   phase("split");
   partition::SplitOptions so = SplitOptionsOf(spec);
   so.example_inputs = example;
+  if (choice && spec.split().split_at().empty()) {
+    so.cuts.assign(choice->candidates(0).cuts().begin(), choice->candidates(0).cuts().end());
+  }
   absl::StatusOr<partition::Pipe> pipe = partition::SplitModel(model, so);
   if (!pipe.ok()) return Field("split", pipe.status());
+  if (choice) *pipe->plan.mutable_choice() = *std::move(choice);
   // Tensor parallelism: the stage files are each stage's shards, stage_<s * T + t>.pt,
   // checked against the unsplit stages on the example micro-batch first.
   std::vector<torch::jit::Module> files = pipe->stages;
@@ -465,7 +539,9 @@ absl::StatusOr<PreparedJob> PrepareHere(const JobSpec& spec, const std::string& 
   phase("load");
   const Balance balance = spec.split().balance();
   // Tensor parallelism shards whole stages (and checks them on the example): the whole model.
-  if (!whole && (balance == BALANCE_UNSPECIFIED || balance == BALANCE_PARAMS) && spec.tensor_parallel().size() <= 1) {
+  // An auto plan measures the whole model.
+  if (!whole && (balance == BALANCE_UNSPECIFIED || balance == BALANCE_PARAMS) && spec.tensor_parallel().size() <= 1 &&
+      !job::PlanPending(spec)) {
     absl::StatusOr<std::unique_ptr<torchio::ModelRecords>> records =
         torchio::ModelRecords::Open(dir + "/model.pt", "model");
     if (absl::IsInvalidArgument(records.status())) return Bad("model", records.status().message());
@@ -526,6 +602,11 @@ PhaseWords WordsFor(const std::string& phase) {
     return {"split", "splitting the model (each stage's forward runs on one micro-batch)",
             "the model's code crashed LibTorch; run it once in PyTorch on the same inputs"};
   }
+  if (phase == "profile") {
+    return {"model", "measuring its forward and backward on the first batch (for the auto plan)",
+            "the model's code crashed LibTorch; run it once in PyTorch on the same inputs, or give --stages, "
+            "--schedule and --microbatches"};
+  }
   if (phase == "write") return {"split", "writing the stage files", "report it with the coordinator's log"};
   return {"model", "loading the model",
           "the file is corrupt or was not written by torch.jit.save; save the model with "
@@ -571,7 +652,8 @@ absl::StatusOr<PreparedJob> PrepareInChild(const JobSpec& spec, const std::strin
     child.argv.push_back(root);
   }
   child.timeout = options.timeout;
-  child.phase_timeouts = {{"probe", options.probe_timeout}, {"split", options.probe_timeout}};
+  child.phase_timeouts = {{"probe", options.probe_timeout}, {"split", options.probe_timeout},
+                          {"profile", options.probe_timeout}};
   child.cancelled = options.cancelled;
   const absl::Time start = absl::Now();
   const ChildResult r = RunChild(child);

@@ -36,6 +36,7 @@ absl::StatusOr<std::string> WorkerRegistry::Add(const RegisterWorker& reg, std::
   w.info.set_device_name(reg.device_name());
   w.info.set_version(reg.version());
   w.info.set_threads(reg.threads());
+  w.info.set_host_cpus(reg.host_cpus());
   w.info.set_state(IDLE);
   w.device = *device;
   w.channel = std::move(channel);

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <thread>
 
 #include "ATen/Parallel.h"
 #include "absl/cleanup/cleanup.h"
@@ -77,6 +78,7 @@ RegisterWorker Agent::Registration() const {
   r.set_device(device_.ToString());
   r.set_version(kVersion);
   r.set_threads(options_.threads);
+  r.set_host_cpus(static_cast<int32_t>(std::thread::hardware_concurrency()));
   r.set_free_memory(static_cast<int64_t>(sysconf(_SC_AVPHYS_PAGES)) * sysconf(_SC_PAGESIZE));
   if (device_.is_gpu()) {
     // A GPU worker: placement counts the device's memory, as free now.

@@ -181,7 +181,69 @@ absl::Status CheckEval(JobSpec* spec) {
 
 }  // namespace
 
+namespace {
+
+bool AutoAny(const AutoPlanSpec& a) { return a.microbatches() || a.schedule() || a.stages(); }
+
+// A spec with auto_plan: what it leaves to pippy is checked as far as it can be before
+// the choice; the fields still to be chosen stay unset (a chosen value is checked as
+// any value would be).
+absl::Status CheckAutoSpec(JobSpec* spec) {
+  const AutoPlanSpec& a = spec->auto_plan();
+  const ScheduleSpec& sc = spec->schedule();
+  if (spec->has_serving()) {
+    return Bad("auto_plan", "a serving job's plan is not chosen automatically: give --stages (its schedule is "
+                            "the inference one, one micro-batch per request batch)");
+  }
+  if (spec->tensor_parallel().size() > 1) {
+    return Bad("auto_plan", "auto plans with --tensor-parallel are not supported yet: give --stages, --schedule "
+                            "and --microbatches");
+  }
+  if (!spec->resume_from().empty()) {
+    return Bad("auto_plan", "a resumed job keeps its source job's plan: give the source's --stages, --schedule "
+                            "and --microbatches");
+  }
+  if (a.stages() && spec->split().split_at_size() > 0) {
+    return Bad("split.stages", "auto chooses the cuts too: give --stages auto or --split-at, not both");
+  }
+  if (a.schedule() && spec->mode() == MODE_INFERENCE) {
+    return Bad("schedule.kind", "an inference job has one schedule (inference): give --schedule inference");
+  }
+  const bool pick_kind = a.schedule() && sc.kind() == SCHEDULE_KIND_UNSPECIFIED;
+  const bool pick_m = a.microbatches() && sc.microbatches() == 0;
+  const bool pick_stages = a.stages() && spec->split().stages() == 0;
+  JobSpec probe = *spec;
+  probe.clear_auto_plan();
+  if (pick_kind) {
+    probe.mutable_schedule()->set_kind(SCHEDULE_GPIPE);
+    probe.mutable_schedule()->set_stages_per_worker(0);
+    if (probe.mode() == MODE_UNSPECIFIED) probe.set_mode(MODE_TRAIN);
+  }
+  if (pick_m) probe.mutable_schedule()->set_microbatches(1);
+  if (pick_stages) probe.mutable_split()->set_stages(1);
+  absl::Status checked = CheckSpec(&probe);
+  if (!checked.ok()) return checked;
+  *probe.mutable_auto_plan() = a;
+  if (pick_kind) {
+    probe.mutable_schedule()->set_kind(SCHEDULE_KIND_UNSPECIFIED);
+    probe.mutable_schedule()->set_stages_per_worker(0);
+  }
+  if (pick_m) probe.mutable_schedule()->set_microbatches(0);
+  if (pick_stages) probe.mutable_split()->set_stages(0);
+  *spec = std::move(probe);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+bool PlanPending(const JobSpec& spec) {
+  const AutoPlanSpec& a = spec.auto_plan();
+  return (a.schedule() && spec.schedule().kind() == SCHEDULE_KIND_UNSPECIFIED) ||
+         (a.microbatches() && spec.schedule().microbatches() == 0) || (a.stages() && spec.split().stages() == 0);
+}
+
 absl::Status CheckSpec(JobSpec* spec) {
+  if (AutoAny(spec->auto_plan()) && PlanPending(*spec)) return CheckAutoSpec(spec);
   ScheduleSpec* sched = spec->mutable_schedule();
   if (spec->has_serving()) {
     absl::Status serving = CheckServing(spec);

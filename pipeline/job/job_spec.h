@@ -85,6 +85,11 @@ bool EvalAfter(const JobSpec& spec, int steps_done);
 // be > 0").
 absl::Status CheckSpec(JobSpec* spec);
 
+// Whether the spec leaves part of its plan to pippy (auto_plan) that is not chosen yet:
+// CheckSpec then checks the rest and leaves those fields unset (schedule.kind
+// UNSPECIFIED, microbatches 0, split.stages 0) for the preparation to choose.
+bool PlanPending(const JobSpec& spec);
+
 }  // namespace pippy::job
 
 #endif  // PIPPY_PIPELINE_JOB_JOB_SPEC_H_

@@ -39,7 +39,17 @@ absl::StatusOr<Pipe> SplitModel(const torch::jit::Module& model, const SplitOpti
   std::vector<int> cuts;
   std::vector<double> op_costs = ParamCosts(*mg);
   plan.set_cost_unit("bytes");
-  if (!options.split_at.empty()) {
+  if (!options.cuts.empty()) {
+    plan.set_split_method("auto-plan");
+    for (size_t i = 0; i < options.cuts.size(); ++i) {
+      const int c = options.cuts[i];
+      if (!mg->IsLegalCut(c) || (i > 0 && c <= options.cuts[i - 1])) {
+        return absl::InvalidArgumentError(absl::StrCat("cut at op ", c, " is not a legal cut of this model (",
+                                                       mg->num_ops(), " ops): was the plan made for another model?"));
+      }
+    }
+    cuts = options.cuts;
+  } else if (!options.split_at.empty()) {
     plan.set_split_method("split-at");
     PIPPY_ASSIGN_OR_RETURN(cuts, CutsFromSplitAt(*mg, options.split_at));
     if (options.num_stages > 0 && options.num_stages != static_cast<int>(cuts.size()) + 1) {

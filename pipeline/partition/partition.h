@@ -29,6 +29,9 @@ namespace pippy::partition {
 
 struct SplitOptions {
   std::vector<std::string> split_at;  // explicit split points; see CutsFromSplitAt
+  // Or the cuts as op positions of the inlined forward (ascending, each a legal cut):
+  // what the automatic plan chose (pipeline/autoplan). Before split_at.
+  std::vector<int> cuts;
   int num_stages = 0;                 // automatic split (0: markers, or one stage)
   // What an automatic split equalises: parameter bytes (PARAMS, also UNSPECIFIED),
   // estimated FLOPs from the shapes seen with the example input (FLOPS), or measured

@@ -193,16 +193,16 @@ absl::StatusOr<SimulationResult> Simulate(const Schedule& sc, const Costs& costs
             for (int p : sc.graph.Producers(a.stage)) {
               if (Remote(sc, r, p)) ok &= finished(ActionType::kSendForward, p, a.microbatch, &ready);
             }
-            ready += costs.communication;
+            ready += costs.RecvForward(a.stage);
             break;
           case ActionType::kRecvBackward:
             for (int c : sc.graph.consumers[a.stage]) {
               if (Remote(sc, r, c)) ok &= finished(ActionType::kSendBackward, c, a.microbatch, &ready);
             }
-            ready += costs.communication;
+            ready += costs.RecvBackward(a.stage);
             break;
           case ActionType::kForward:
-            cost = costs.forward;
+            cost = costs.Forward(a.stage);
             for (int p : sc.graph.Producers(a.stage)) {
               ok &= Remote(sc, r, p) ? finished(ActionType::kRecvForward, a.stage, a.microbatch, &ready)
                                      : finished(ActionType::kForward, p, a.microbatch, &ready);
@@ -210,8 +210,8 @@ absl::StatusOr<SimulationResult> Simulate(const Schedule& sc, const Costs& costs
             break;
           case ActionType::kBackward:
           case ActionType::kBackwardInput:
-            cost = a.type == ActionType::kBackward ? costs.backward_input + costs.backward_weight
-                                                   : costs.backward_input;
+            cost = a.type == ActionType::kBackward ? costs.BackwardInput(a.stage) + costs.BackwardWeight(a.stage)
+                                                   : costs.BackwardInput(a.stage);
             ok &= finished(ActionType::kForward, a.stage, a.microbatch, &ready);
             for (int c : sc.graph.consumers[a.stage]) {
               ok &= Remote(sc, r, c) ? finished(ActionType::kRecvBackward, a.stage, a.microbatch, &ready)
@@ -219,7 +219,7 @@ absl::StatusOr<SimulationResult> Simulate(const Schedule& sc, const Costs& costs
             }
             break;
           case ActionType::kBackwardWeight:
-            cost = costs.backward_weight;
+            cost = costs.BackwardWeight(a.stage);
             ok &= finished(ActionType::kBackwardInput, a.stage, a.microbatch, &ready);
             break;
         }

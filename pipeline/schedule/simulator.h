@@ -26,6 +26,22 @@ struct Costs {
   double backward_input = 1.0;
   double backward_weight = 1.0;
   double communication = 0.0;  // latency added to each RECV
+  // Per stage, where a stage's costs differ (a measured cost model): empty, or one value
+  // per stage replacing the scalar above for that stage's actions. recv_forward[s] is
+  // added to s's RECV_F, recv_backward[s] to its RECV_B (a cut's bytes over the link).
+  std::vector<double> stage_forward, stage_backward_input, stage_backward_weight;
+  std::vector<double> stage_recv_forward, stage_recv_backward;
+
+  double Forward(int stage) const { return Of(stage_forward, stage, forward); }
+  double BackwardInput(int stage) const { return Of(stage_backward_input, stage, backward_input); }
+  double BackwardWeight(int stage) const { return Of(stage_backward_weight, stage, backward_weight); }
+  double RecvForward(int stage) const { return Of(stage_recv_forward, stage, communication); }
+  double RecvBackward(int stage) const { return Of(stage_recv_backward, stage, communication); }
+
+ private:
+  static double Of(const std::vector<double>& v, int stage, double otherwise) {
+    return stage >= 0 && static_cast<size_t>(stage) < v.size() ? v[static_cast<size_t>(stage)] : otherwise;
+  }
 };
 
 // Parses "F,B,W" (e.g. "1,1,1"; B is the input-gradient part, W the weight part).

@@ -1,0 +1,283 @@
+#include "pipeline/autoplan/profile.h"
+
+#include <malloc.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+
+#include "ATen/Parallel.h"
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "common/torch_status.h"
+#include "pipeline/partition/forward_probe.h"
+#include "pipeline/partition/model_graph.h"
+#include "pipeline/partition/plan_builder.h"
+#include "pipeline/stage/microbatch.h"
+#include "pipeline/stage/training.h"
+#include "torch/csrc/autograd/autograd.h"
+
+namespace pippy::autoplan {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Micros(Clock::time_point since) {
+  return std::chrono::duration<double, std::micro>(Clock::now() - since).count();
+}
+
+// Bytes malloc has handed out and not had back (the heap's and mmap'ed chunks): what a
+// forward holds until its backward, whatever the allocator gives back to the system.
+int64_t HeapInUse() {
+  const struct mallinfo2 mi = mallinfo2();
+  return static_cast<int64_t>(mi.uordblks + mi.hblkhd);
+}
+
+void CollectTensors(const c10::IValue& v, std::vector<at::Tensor>* out) {
+  if (v.isTensor()) {
+    out->push_back(v.toTensor());
+  } else if (v.isTuple()) {
+    for (const c10::IValue& e : v.toTupleRef().elements()) CollectTensors(e, out);
+  } else if (v.isList()) {
+    for (const c10::IValue& e : v.toListRef()) CollectTensors(e, out);
+  }
+}
+
+int64_t BytesOf(const c10::IValue& v) {
+  std::vector<at::Tensor> ts;
+  CollectTensors(v, &ts);
+  int64_t n = 0;
+  for (const at::Tensor& t : ts) n += static_cast<int64_t>(t.numel() * t.element_size());
+  return n;
+}
+
+// An earlier span's output as a span's input: floating tensors as fresh leaves that
+// record gradients (the span's I is the gradient of them), the rest as it is.
+c10::IValue AsLeaf(const c10::IValue& v, bool train, std::vector<at::Tensor>* leaves) {
+  if (!v.isTensor()) return v;
+  at::Tensor t = v.toTensor().detach();
+  if (train && t.is_floating_point()) {
+    t.requires_grad_(true);
+    leaves->push_back(t);
+  }
+  return t;
+}
+
+struct SpanRun {
+  double forward_us = 1e300, input_us = 1e300, weight_us = 1e300;
+  int64_t activation_bytes = 0;
+};
+
+}  // namespace
+
+std::vector<int> CandidateSizes(int64_t batch, int also) {
+  std::vector<int> sizes;
+  for (int m = 1; m <= 32 && m <= batch; m *= 2) {
+    if (batch % m == 0) sizes.push_back(static_cast<int>(batch / m));
+  }
+  if (also > 0 && batch % also == 0) sizes.push_back(static_cast<int>(batch / also));
+  std::sort(sizes.begin(), sizes.end());
+  sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+  return sizes;
+}
+
+absl::StatusOr<ModelProfile> ProfileModel(const torch::jit::Module& model, const std::vector<c10::IValue>& batch,
+                                          const ProfileOptions& options) {
+  const Clock::time_point began = Clock::now();
+  PIPPY_ASSIGN_OR_RETURN(std::unique_ptr<partition::ModelGraph> mg, partition::ModelGraph::Build(model));
+  if (batch.size() + 1 != mg->graph().inputs().size()) {
+    return absl::InvalidArgumentError(absl::StrCat("the batch has ", batch.size(), " value(s) but forward() takes ",
+                                                   mg->graph().inputs().size() - 1));
+  }
+  if (mg->num_ops() == 0) return absl::InvalidArgumentError("forward() computes nothing: there is nothing to measure");
+  int64_t samples = 0;
+  for (const c10::IValue& v : batch) {
+    if (v.isTensor() && v.toTensor().dim() > 0) {
+      samples = v.toTensor().size(0);
+      break;
+    }
+  }
+  if (samples < 1) return absl::InvalidArgumentError("the batch has no tensor with a batch dimension");
+  std::vector<int> sizes = options.microbatch_sizes;
+  if (sizes.empty()) sizes.push_back(static_cast<int>(samples));
+  std::sort(sizes.begin(), sizes.end());
+  sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+  for (int b : sizes) {
+    if (b < 1 || samples % b != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("micro-batches of ", b, " samples do not divide the batch of ",
+                                                     samples));
+    }
+  }
+  // Spans between evenly spread legal cuts, built as the stages of a probe pipe.
+  const std::vector<int>& legal = mg->legal_cuts();
+  const size_t want = std::min<size_t>(legal.size(), static_cast<size_t>(std::max(1, options.max_spans - 1)));
+  std::vector<int> cuts;
+  for (size_t i = 0; i < want; ++i) cuts.push_back(legal[(i * legal.size()) / want]);
+  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  partition::Pipe probe;
+  for (size_t i = 1; i < mg->graph().inputs().size(); ++i) {
+    ModelValue* mv = probe.plan.add_inputs();
+    mv->set_name(mg->graph().inputs()[i]->debugName());
+    mv->set_type(mg->graph().inputs()[i]->type()->repr_str());
+  }
+  PIPPY_RETURN_IF_ERROR(partition::BuildPipe(*mg, cuts, /*share_tensors=*/true, &probe));
+  const int S = static_cast<int>(probe.stages.size());
+
+  ModelProfile profile;
+  for (int b : sizes) profile.add_microbatch_sizes(b);
+  profile.set_repeats(std::max(1, options.repeats));
+  profile.set_threads(at::get_num_threads());
+  char host[256] = {0};
+  if (gethostname(host, sizeof(host) - 1) == 0) profile.set_host(host);
+  for (int s = 0; s < S; ++s) {
+    const StagePlan& sp = probe.plan.stages(s);
+    SpanCost* span = profile.add_spans();
+    span->set_first_node(sp.first_node());
+    span->set_num_nodes(sp.num_nodes());
+    span->set_first_module(sp.first_module());
+    span->set_last_module(sp.last_module());
+    for (const ParameterInfo& p : sp.parameters()) {
+      if (p.requires_grad()) {
+        span->set_param_bytes(span->param_bytes() + p.bytes());
+      } else {
+        span->set_buffer_bytes(span->buffer_bytes() + p.bytes());
+      }
+    }
+  }
+  // The stage's parameters that take gradients.
+  std::vector<std::vector<at::Tensor>> params(S);
+  for (int s = 0; s < S; ++s) {
+    for (const at::Tensor& p : probe.stages[s].parameters(/*recurse=*/true)) {
+      if (p.requires_grad()) params[s].push_back(p);
+    }
+  }
+
+  const bool train = options.train;
+  absl::Status measured = TorchCall("measuring the model's spans", [&]() -> absl::Status {
+    for (int b : sizes) {
+      PIPPY_ASSIGN_OR_RETURN(auto split, stage::SplitIntoMicrobatches(batch, static_cast<int>(samples / b)));
+      const std::vector<c10::IValue>& inputs = split[0];
+      std::vector<SpanRun> runs(S);
+      std::vector<std::vector<c10::IValue>> outs(S);
+      for (int rep = 0; rep <= options.repeats; ++rep) {
+        for (int s = 0; s < S; ++s) {
+          const StagePlan& sp = probe.plan.stages(s);
+          std::vector<at::Tensor> leaves;
+          std::vector<c10::IValue> args;
+          for (const StageInput& si : sp.inputs()) {
+            // Model inputs come from the data (no gradients, as on the ranks); another
+            // span's outputs as activations received from an earlier stage.
+            if (si.source_case() == StageInput::kModelInput) {
+              args.push_back(inputs[static_cast<size_t>(si.model_input())]);
+              continue;
+            }
+            const c10::IValue& v = outs[static_cast<size_t>(si.source_stage())][static_cast<size_t>(si.source_output())];
+            args.push_back(AsLeaf(v, train, &leaves));
+          }
+          partition::BufferSnapshot restore(probe.stages[s]);
+          std::optional<torch::NoGradGuard> no_grad;
+          if (!train) no_grad.emplace();
+          const int64_t heap_before = HeapInUse();
+          Clock::time_point t0 = Clock::now();
+          c10::IValue result = probe.stages[s].forward(args);
+          const double f = Micros(t0);
+          const int64_t held = HeapInUse() - heap_before;
+          SpanRun& run = runs[static_cast<size_t>(s)];
+          if (rep > 0) {
+            run.forward_us = std::min(run.forward_us, f);
+            run.activation_bytes = rep == 1 ? held : std::min(run.activation_bytes, held);
+          }
+          std::vector<at::Tensor> out_tensors, differentiable, grads;
+          CollectTensors(result, &out_tensors);
+          for (const at::Tensor& t : out_tensors) {
+            if (t.requires_grad()) {
+              differentiable.push_back(t);
+              grads.push_back(at::ones_like(t));
+            }
+          }
+          double in_us = 0, w_us = 0;
+          if (train && !differentiable.empty()) {
+            if (!leaves.empty()) {
+              t0 = Clock::now();
+              torch::autograd::grad(differentiable, leaves, grads, /*retain_graph=*/true, /*create_graph=*/false,
+                                    /*allow_unused=*/true);
+              in_us = Micros(t0);
+            }
+            if (!params[static_cast<size_t>(s)].empty()) {
+              t0 = Clock::now();
+              torch::autograd::grad(differentiable, params[static_cast<size_t>(s)], grads, /*retain_graph=*/false,
+                                    /*create_graph=*/false, /*allow_unused=*/true);
+              w_us = Micros(t0);
+            }
+          }
+          if (rep > 0) {
+            run.input_us = std::min(run.input_us, in_us);
+            run.weight_us = std::min(run.weight_us, w_us);
+          }
+          std::vector<c10::IValue> next;
+          if (sp.is_last()) {
+            next.push_back(result);
+          } else {
+            next = result.toTupleRef().elements().vec();
+          }
+          for (c10::IValue& v : next) {
+            if (v.isTensor()) v = v.toTensor().detach();
+          }
+          outs[static_cast<size_t>(s)] = std::move(next);
+        }
+      }
+      // A cut after span j sends every earlier span's output that a later span reads,
+      // once (its readers past the cut are most often all in the next stage).
+      std::vector<int64_t> cut_bytes(S, 0);
+      for (int s = 0; s < S; ++s) {
+        const StagePlan& sp = probe.plan.stages(s);
+        for (int o = 0; o < sp.outputs_size() && !sp.is_last(); ++o) {
+          const int64_t bytes = BytesOf(outs[static_cast<size_t>(s)][static_cast<size_t>(o)]);
+          int last = s;
+          for (int c : sp.outputs(o).consumers()) last = std::max(last, c);
+          for (int j = s; j < last && j < S - 1; ++j) cut_bytes[static_cast<size_t>(j)] += bytes;
+        }
+      }
+      for (int s = 0; s < S; ++s) {
+        const SpanRun& run = runs[static_cast<size_t>(s)];
+        SpanSize* z = profile.mutable_spans(s)->add_sizes();
+        z->set_forward_us(run.forward_us);
+        z->set_backward_input_us(run.input_us);
+        z->set_backward_weight_us(run.weight_us);
+        z->set_activation_bytes(std::max<int64_t>(0, run.activation_bytes));
+        z->set_cut_bytes(cut_bytes[static_cast<size_t>(s)]);
+      }
+    }
+    return absl::OkStatus();
+  });
+  PIPPY_RETURN_IF_ERROR(measured);
+
+  // The optimizer's step over (up to 32 MiB of) parameters like the model's.
+  if (train) {
+    absl::Status opt = TorchCall("measuring the optimizer", [&]() -> absl::Status {
+      int64_t total = 0;
+      for (const SpanCost& sc : profile.spans()) total += sc.param_bytes();
+      const int64_t elems = std::max<int64_t>(1 << 16, std::min<int64_t>(total, int64_t{32} << 20) / 4);
+      at::Tensor p = at::zeros({elems});
+      p.mutable_grad() = at::ones({elems});
+      stage::OptimizerOptions oo;
+      oo.kind = options.optimizer == OPTIMIZER_UNSPECIFIED ? OPTIMIZER_SGD : options.optimizer;
+      oo.momentum = 0.9;
+      PIPPY_ASSIGN_OR_RETURN(std::unique_ptr<torch::optim::Optimizer> optimizer, stage::MakeOptimizer(oo, {p}));
+      double best = 1e300;
+      for (int rep = 0; rep <= options.repeats; ++rep) {
+        const Clock::time_point t0 = Clock::now();
+        optimizer->step();
+        if (rep > 0) best = std::min(best, Micros(t0));
+      }
+      profile.set_optimizer_us_per_mib(best / (static_cast<double>(elems * 4) / (1 << 20)));
+      return absl::OkStatus();
+    });
+    PIPPY_RETURN_IF_ERROR(opt);
+  }
+  profile.set_seconds(Micros(began) / 1e6);
+  return profile;
+}
+
+}  // namespace pippy::autoplan

@@ -1,0 +1,45 @@
+// The measured half of the automatic plan (docs/autoplan.md): the model cut at up to
+// `max_spans` - 1 evenly spread legal cuts into spans, and each span timed, for each
+// micro-batch size, as training runs a stage: its forward with autograd recording, the
+// gradients of its inputs (I), then of its parameters (W); with the memory it holds
+// from forward to backward and the bytes a cut after it would send. The spans run in
+// order on the first micro-batch of the example batch, each span's inputs the previous
+// spans' outputs. The chooser (chooser.h) sums spans into stages.
+//
+// It runs the submitted model's code: the coordinator calls it only in its preparation
+// child (coordinator/job_preparation.h), pippyctl plan and split --profile locally.
+#ifndef PIPPY_PIPELINE_AUTOPLAN_PROFILE_H_
+#define PIPPY_PIPELINE_AUTOPLAN_PROFILE_H_
+
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "proto/job.pb.h"
+#include "proto/plan.pb.h"
+#include "torch/script.h"
+
+namespace pippy::autoplan {
+
+struct ProfileOptions {
+  // Samples per micro-batch to measure, each dividing the batch (empty: the batch's
+  // own size only). Measured in ascending order.
+  std::vector<int> microbatch_sizes;
+  int repeats = 2;            // after one warm-up run; the fastest is kept
+  int max_spans = 24;
+  bool train = true;          // false: forward only, without autograd
+  OptimizerKind optimizer = OPTIMIZER_SGD;
+};
+
+// The micro-batch sizes worth measuring for a batch: batch / m for m = 1, 2, 4, ... up
+// to 32 (and `also`, if it divides the batch), ascending.
+std::vector<int> CandidateSizes(int64_t batch, int also = 0);
+
+// `batch` is forward()'s arguments for a whole batch (dim 0 the samples).
+// Errors: INVALID_ARGUMENT when the batch does not fit the model (or a size does not
+// divide it), with LibTorch's message.
+absl::StatusOr<ModelProfile> ProfileModel(const torch::jit::Module& model, const std::vector<c10::IValue>& batch,
+                                          const ProfileOptions& options);
+
+}  // namespace pippy::autoplan
+
+#endif  // PIPPY_PIPELINE_AUTOPLAN_PROFILE_H_
