@@ -748,20 +748,26 @@ absl::StatusOr<std::string> Submit(Coordinator::Stub* stub, const JobSpec& spec,
   return resp.job_id();
 }
 
+// One GetJob, within 10 s.
+absl::StatusOr<Job> GetJobOnce(Coordinator::Stub* stub, const std::string& id, const GlobalFlags& g) {
+  grpc::ClientContext ctx;
+  Authorize(&ctx, g);
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  GetJobRequest req;
+  req.set_job_id(id);
+  Job job;
+  grpc::Status s = stub->GetJob(&ctx, req, &job);
+  if (!s.ok()) return FromGrpc(s, g.coordinator);
+  return job;
+}
+
 // The job once the coordinator prepared it (a detached submission is PARTITIONING
 // until then): within 10 minutes.
 absl::StatusOr<Job> GetJobUntilPrepared(Coordinator::Stub* stub, const std::string& id, const GlobalFlags& g) {
   const absl::Time deadline = absl::Now() + absl::Minutes(10);
   while (true) {
-    grpc::ClientContext ctx;
-    Authorize(&ctx, g);
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-    GetJobRequest req;
-    req.set_job_id(id);
-    Job job;
-    grpc::Status s = stub->GetJob(&ctx, req, &job);
-    if (!s.ok()) return FromGrpc(s, g.coordinator);
-    if (job.state() != PARTITIONING) return job;
+    absl::StatusOr<Job> job = GetJobOnce(stub, id, g);
+    if (!job.ok() || job->state() != PARTITIONING) return job;
     if (absl::Now() > deadline) {
       return absl::DeadlineExceededError(absl::StrCat("job ", id, " is still being prepared after 10 minutes"));
     }
@@ -971,14 +977,9 @@ int RunServe(const ServeFlags& f, const GlobalFlags& g) {
   // Until its stages are loaded and it answers requests.
   const absl::Time deadline = absl::Now() + absl::Seconds(f.wait_timeout_s);
   while (true) {
-    grpc::ClientContext ctx;
-    Authorize(&ctx, g);
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-    GetJobRequest req;
-    req.set_job_id(*id);
-    Job job;
-    grpc::Status s = stub->GetJob(&ctx, req, &job);
-    if (!s.ok()) return Fail(kProgram, FromGrpc(s, g.coordinator));
+    absl::StatusOr<Job> got = GetJobOnce(stub.get(), *id, g);
+    if (!got.ok()) return Fail(kProgram, got.status());
+    const Job& job = *got;
     if (job.state() == SERVING) return kExitOk;
     if (IsTerminal(job.state())) {
       return Fail(kProgram, absl::FailedPreconditionError(absl::StrCat("serving job ", *id, " ended ",

@@ -15,7 +15,6 @@
 #include "common/torch_status.h"
 #include <thread>
 
-#include "ATen/Parallel.h"
 
 #include "pipeline/autoplan/chooser.h"
 #include "pipeline/autoplan/profile.h"
@@ -228,7 +227,6 @@ struct PlanFlags {
 // measured here, the candidates simulated for the workers described by the flags.
 int RunPlan(const PlanFlags& f, const GlobalFlags& g) {
   torch::jit::setGraphExecutorOptimize(false);
-  at::set_num_threads(f.threads);
   auto model = torchio::LoadModel(f.model);
   if (!model.ok()) return Fail(kProgram, model.status());
   absl::StatusOr<std::string> bytes = torchio::ReadFile(f.data);
@@ -272,23 +270,14 @@ int RunPlan(const PlanFlags& f, const GlobalFlags& g) {
     c->set_host_cpus(cpus);
     c->set_free_memory(f.memory);
   }
-  const int64_t per_replica = f.batch_size / std::max(1, f.replicas);
-  autoplan::ProfileOptions po;
-  po.microbatch_sizes =
-      autoplan::CandidateSizes(per_replica, a->microbatches() ? 0 : spec.schedule().microbatches() );
-  po.train = spec.mode() == MODE_TRAIN;
-  po.optimizer = *optimizer;
-  const std::vector<c10::IValue> batch = data->Inputs(0, per_replica);
-  absl::StatusOr<ModelProfile> profile = autoplan::ProfileModel(*model, batch, po);
-  if (!profile.ok()) return Fail(kProgram, profile.status());
-  absl::StatusOr<PlanChoice> choice = autoplan::ChoosePlan(spec, *profile);
+  absl::StatusOr<PlanChoice> choice = autoplan::MeasureAndChoose(spec, *model, data->Inputs(0, f.batch_size));
   if (!choice.ok()) return Fail(kProgram, choice.status());
   if (g.output == "json") {
     std::cout << ProtoToJson(*choice) << "\n";
   } else {
     std::cout << "model " << f.model << ", batch " << f.batch_size << ", " << f.workers << " workers of " << f.threads
               << " thread(s) on " << hosts << " host(s) of " << cpus << " cores; measured in "
-              << absl::StrFormat("%.1f s", profile->seconds()) << "\n\n"
+              << absl::StrFormat("%.1f s", choice->profile().seconds()) << "\n\n"
               << autoplan::RenderChoice(*choice);
   }
   return kExitOk;

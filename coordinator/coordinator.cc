@@ -250,8 +250,7 @@ PrepareOptions Coordinator::PrepareOptionsFor(std::shared_ptr<const std::atomic<
 }
 
 JobSpec Coordinator::WithWorkers(const JobSpec& spec) {
-  const AutoPlanSpec& a = spec.auto_plan();
-  if (!a.microbatches() && !a.schedule() && !a.stages()) return spec;
+  if (!job::AutoPlanned(spec.auto_plan())) return spec;
   JobSpec out = spec;
   AutoPlanSpec* plan = out.mutable_auto_plan();
   plan->clear_workers();

@@ -8,7 +8,6 @@
 #include <fstream>
 #include <thread>
 
-#include "ATen/Parallel.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -34,8 +33,6 @@
 #include "pipeline/stage/synthetic_data.h"
 #include "pipeline/stage/training.h"
 #include "torch/csrc/jit/runtime/graph_executor.h"
-
-extern "C" void openblas_set_num_threads(int) __attribute__((weak));
 
 namespace pippy::coordinator {
 namespace {
@@ -222,8 +219,24 @@ absl::Status ReadEvalDataset(const std::vector<std::string>& names, const Prepar
   return absl::OkStatus();
 }
 
+// d->example and d->target (a whole batch) replaced by their first of `m` micro-batches.
+absl::Status TakeFirstMicrobatch(int m, const std::vector<std::string>& names, JobData* d) {
+  const char* field = d->dataset ? "dataset" : "data";
+  PIPPY_ASSIGN_OR_RETURN(auto mb_inputs, Field(field, stage::SplitIntoMicrobatches(d->example, m, {}, names)));
+  if (d->spec.mode() == MODE_TRAIN) {
+    PIPPY_ASSIGN_OR_RETURN(auto mb_targets,
+                           Field(field, stage::SplitIntoMicrobatches({d->target}, m, {}, {"targets"})));
+    d->target = mb_targets[0][0];
+  }
+  d->example = mb_inputs[0];
+  return absl::OkStatus();
+}
+
+// The job's data; its example and target are the first micro-batch, or with
+// `whole_batch` the whole first batch (an auto plan measures on it and then takes its
+// first micro-batch: TakeFirstMicrobatch).
 absl::StatusOr<JobData> ReadData(const JobSpec& spec, const std::string& dir, const torch::jit::Module& model,
-                                 const Phase& phase, const PrepareOptions& options) {
+                                 const Phase& phase, const PrepareOptions& options, bool whole_batch = false) {
   const bool train = spec.mode() == MODE_TRAIN;
   phase("data");
   JobData d;
@@ -252,15 +265,9 @@ absl::StatusOr<JobData> ReadData(const JobSpec& spec, const std::string& dir, co
     d.data = std::move(data);
   }
   if (train && spec.has_eval()) PIPPY_RETURN_IF_ERROR(ReadEvalDataset(names, options, first, &d));
-  const int m = spec.schedule().microbatches();
-  const char* field = d.dataset ? "dataset" : "data";
-  PIPPY_ASSIGN_OR_RETURN(auto mb_inputs, Field(field, stage::SplitIntoMicrobatches(first.inputs, m, {}, names)));
-  if (train) {
-    PIPPY_ASSIGN_OR_RETURN(auto mb_targets,
-                           Field(field, stage::SplitIntoMicrobatches({first.target}, m, {}, {"targets"})));
-    d.target = mb_targets[0][0];
-  }
-  d.example = mb_inputs[0];
+  d.example = std::move(first.inputs);
+  d.target = std::move(first.target);
+  if (!whole_batch) PIPPY_RETURN_IF_ERROR(TakeFirstMicrobatch(spec.schedule().microbatches(), names, &d));
   return d;
 }
 
@@ -414,45 +421,17 @@ absl::StatusOr<PreparedJob> PrepareByRecords(const JobSpec& submitted, const std
   return out;
 }
 
-// The compute threads of the workers a plan may use (the fewest), for measuring as they run.
-int ThreadsOf(const JobSpec& spec) {
-  int threads = 0;
-  for (const WorkerCapacity& w : spec.auto_plan().workers()) {
-    if (w.threads() > 0) threads = threads == 0 ? w.threads() : std::min(threads, w.threads());
-  }
-  return std::max(1, threads);
-}
-
-// The plan the spec leaves to pippy: the model measured on the first batch (as many
-// threads as the workers compute with), every candidate simulated. Where the costs
-// cannot be measured, the defaults, with why (autoplan::Fallback).
+// The plan the spec leaves to pippy (autoplan::MeasureAndChoose), its errors named by
+// the field; where the costs could not be measured, the defaults, logged.
 absl::StatusOr<PlanChoice> ChooseFor(const JobSpec& spec, const torch::jit::Module& model,
-                                     const std::vector<c10::IValue>& batch, const std::vector<std::string>& names) {
-  const int replicas = std::max(1, spec.replicas());
-  std::vector<c10::IValue> per_replica = batch;
-  if (replicas > 1) {
-    PIPPY_ASSIGN_OR_RETURN(auto split, Field("data", stage::SplitIntoMicrobatches(batch, replicas, {}, names)));
-    per_replica = split[0];
-  }
-  autoplan::ProfileOptions po;
-  po.microbatch_sizes = autoplan::CandidateSizes(spec.batch_size() / replicas,
-                                                 spec.auto_plan().microbatches() ? 0 : spec.schedule().microbatches());
-  po.train = spec.mode() == MODE_TRAIN;
-  po.optimizer = spec.optimizer().kind();
-  const int threads = ThreadsOf(spec), had = at::get_num_threads();
-  at::set_num_threads(threads);
-  if (openblas_set_num_threads) openblas_set_num_threads(threads);
-  absl::StatusOr<ModelProfile> profile = autoplan::ProfileModel(model, per_replica, po);
-  at::set_num_threads(had);
-  if (openblas_set_num_threads) openblas_set_num_threads(had);
-  if (!profile.ok()) {
-    log::Warn("auto plan: the model's costs could not be measured, using the defaults: {}", profile.status().message());
-    return autoplan::Fallback(spec, std::string(profile.status().message()));
-  }
-  absl::StatusOr<PlanChoice> choice = autoplan::ChoosePlan(spec, *profile);
+                                     const std::vector<c10::IValue>& batch) {
+  absl::StatusOr<PlanChoice> choice = autoplan::MeasureAndChoose(spec, model, batch);
   if (!choice.ok()) {
     const std::string msg(choice.status().message());
     return absl::InvalidArgumentError(absl::StartsWith(msg, "split.") ? msg : absl::StrCat("auto_plan: ", msg));
+  }
+  if (!choice->fallback().empty()) {
+    log::Warn("auto plan: the model's costs could not be measured, using the defaults: {}", choice->fallback());
   }
   return choice;
 }
@@ -465,32 +444,21 @@ absl::StatusOr<PreparedJob> PrepareWhole(const JobSpec& submitted, const std::st
   const absl::Time start = absl::Now();
   PIPPY_ASSIGN_OR_RETURN(torch::jit::Module model, LoadSubmitted(dir));
   const absl::Time loaded_at = absl::Now();
-  // An auto plan reads the whole first batch (one micro-batch) to measure the model.
+  // An auto plan measures the model on the whole first batch.
   const bool choose = job::PlanPending(submitted);
-  JobSpec read = submitted;
-  if (choose) read.mutable_schedule()->set_microbatches(1);
-  PIPPY_ASSIGN_OR_RETURN(JobData d, ReadData(read, dir, model, phase, options));
-  JobSpec spec = d.spec;
-  std::vector<c10::IValue> example = d.example;
+  PIPPY_ASSIGN_OR_RETURN(JobData d, ReadData(submitted, dir, model, phase, options, /*whole_batch=*/choose));
   std::optional<PlanChoice> choice;
   if (choose) {
     phase("profile");
-    spec.mutable_schedule()->set_microbatches(submitted.schedule().microbatches());
     const std::vector<std::string> names = torchio::ForwardArgumentNames(model);
-    PIPPY_ASSIGN_OR_RETURN(choice, ChooseFor(spec, model, example, names));
-    autoplan::Apply(choice->candidates(0), &spec);
-    PIPPY_RETURN_IF_ERROR(job::CheckSpec(&spec));
-    const int m = spec.schedule().microbatches();
-    PIPPY_ASSIGN_OR_RETURN(auto mb_inputs, Field("data", stage::SplitIntoMicrobatches(example, m, {}, names)));
-    example = mb_inputs[0];
-    if (spec.mode() == MODE_TRAIN) {
-      PIPPY_ASSIGN_OR_RETURN(auto mb_targets,
-                             Field("data", stage::SplitIntoMicrobatches({d.target}, m, {}, {"targets"})));
-      d.target = mb_targets[0][0];
-    }
-    d.spec = spec;
+    PIPPY_ASSIGN_OR_RETURN(choice, ChooseFor(d.spec, model, d.example));
+    autoplan::Apply(choice->candidates(0), &d.spec);
+    PIPPY_RETURN_IF_ERROR(job::CheckSpec(&d.spec));
+    PIPPY_RETURN_IF_ERROR(TakeFirstMicrobatch(d.spec.schedule().microbatches(), names, &d));
   }
+  const JobSpec& spec = d.spec;
   out.spec = spec;
+  const std::vector<c10::IValue>& example = d.example;
   phase("probe");
   PIPPY_RETURN_IF_ERROR(CheckOutput(spec, dir, model, partition::RunForwardOnce(model, example), d.target));
   const absl::Time checked_at = absl::Now();

@@ -16,9 +16,12 @@
 namespace pippy::autoplan {
 namespace {
 
-bool Training(const JobSpec& spec) {
-  return spec.mode() == MODE_TRAIN ||
-         (spec.mode() == MODE_UNSPECIFIED && spec.schedule().kind() != SCHEDULE_INFERENCE && !spec.has_serving());
+bool Training(const JobSpec& spec) { return spec.mode() == MODE_TRAIN; }
+
+// The stages a worker of `kind` holds: the spec's where it gives the schedule and them.
+int StagesPerWorker(const JobSpec& spec, ScheduleKind kind) {
+  return spec.auto_plan().schedule() || spec.schedule().stages_per_worker() == 0 ? schedule::DefaultStagesPerRank(kind)
+                                                                                 : spec.schedule().stages_per_worker();
 }
 
 int Replicas(const JobSpec& spec) { return std::max(1, spec.replicas()); }
@@ -287,8 +290,7 @@ absl::StatusOr<PlanChoice> ChoosePlan(const JobSpec& spec, const ModelProfile& p
   std::vector<PlanCandidate> all;
   std::string first_error;
   for (ScheduleKind kind : KindsFor(spec)) {
-    const int V = a.schedule() || spec.schedule().stages_per_worker() == 0 ? schedule::DefaultStagesPerRank(kind)
-                                                                           : spec.schedule().stages_per_worker();
+    const int V = StagesPerWorker(spec, kind);
     std::vector<int> rank_options;
     if (a.stages()) {
       for (int r = 1; r <= max_ranks; ++r) rank_options.push_back(r);
@@ -389,8 +391,7 @@ PlanChoice Fallback(const JobSpec& spec, const std::string& why) {
   const int replicas = Replicas(spec);
   int ranks = a.stages() ? std::max(1, a.workers_size() / replicas) : 0;
   ScheduleKind kind = a.schedule() ? (train ? SCHEDULE_1F1B : SCHEDULE_INFERENCE) : spec.schedule().kind();
-  const int V = a.schedule() || spec.schedule().stages_per_worker() == 0 ? schedule::DefaultStagesPerRank(kind)
-                                                                         : spec.schedule().stages_per_worker();
+  const int V = StagesPerWorker(spec, kind);
   if (!a.stages()) ranks = std::max(1, spec.split().stages() / std::max(1, V));
   int m = spec.schedule().microbatches();
   if (a.microbatches()) {

@@ -18,6 +18,7 @@
 // The winner is the fastest that is not refused, except that a simpler one (fewer
 // workers, then fewer micro-batches) within kSimplerWithin of it is preferred.
 //
+// The spec's mode must be set (job::CheckSpec sets it from the schedule).
 // No LibTorch: the coordinator's child, pippyctl plan and the unit tests call it.
 #ifndef PIPPY_PIPELINE_AUTOPLAN_CHOOSER_H_
 #define PIPPY_PIPELINE_AUTOPLAN_CHOOSER_H_

@@ -11,12 +11,15 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "common/torch_status.h"
+#include "pipeline/autoplan/chooser.h"
 #include "pipeline/partition/forward_probe.h"
 #include "pipeline/partition/model_graph.h"
 #include "pipeline/partition/plan_builder.h"
 #include "pipeline/stage/microbatch.h"
 #include "pipeline/stage/training.h"
 #include "torch/csrc/autograd/autograd.h"
+
+extern "C" void openblas_set_num_threads(int) __attribute__((weak));
 
 namespace pippy::autoplan {
 namespace {
@@ -278,6 +281,34 @@ absl::StatusOr<ModelProfile> ProfileModel(const torch::jit::Module& model, const
   }
   profile.set_seconds(Micros(began) / 1e6);
   return profile;
+}
+
+absl::StatusOr<PlanChoice> MeasureAndChoose(const JobSpec& spec, const torch::jit::Module& model,
+                                            const std::vector<c10::IValue>& batch) {
+  const int replicas = std::max(1, spec.replicas());
+  std::vector<c10::IValue> per_replica = batch;
+  if (replicas > 1) {
+    PIPPY_ASSIGN_OR_RETURN(auto split, stage::SplitIntoMicrobatches(batch, replicas));
+    per_replica = split[0];
+  }
+  ProfileOptions po;
+  po.microbatch_sizes =
+      CandidateSizes(spec.batch_size() / replicas, spec.auto_plan().microbatches() ? 0 : spec.schedule().microbatches());
+  po.train = spec.mode() == MODE_TRAIN;
+  po.optimizer = spec.optimizer().kind();
+  int threads = 0;
+  for (const WorkerCapacity& w : spec.auto_plan().workers()) {
+    if (w.threads() > 0) threads = threads == 0 ? w.threads() : std::min(threads, w.threads());
+  }
+  threads = std::max(1, threads);
+  const int had = at::get_num_threads();
+  at::set_num_threads(threads);
+  if (openblas_set_num_threads) openblas_set_num_threads(threads);
+  absl::StatusOr<ModelProfile> profile = ProfileModel(model, per_replica, po);
+  at::set_num_threads(had);
+  if (openblas_set_num_threads) openblas_set_num_threads(had);
+  if (!profile.ok()) return Fallback(spec, std::string(profile.status().message()));
+  return ChoosePlan(spec, *profile);
 }
 
 }  // namespace pippy::autoplan

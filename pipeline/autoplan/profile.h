@@ -40,6 +40,17 @@ std::vector<int> CandidateSizes(int64_t batch, int also = 0);
 absl::StatusOr<ModelProfile> ProfileModel(const torch::jit::Module& model, const std::vector<c10::IValue>& batch,
                                           const ProfileOptions& options);
 
+// The auto plan of a job (the coordinator's preparation child and pippyctl plan): the
+// first replica's share of `batch` (a whole batch of forward()'s arguments, dim 0 the
+// samples) measured at every micro-batch size the spec leaves open, with as many
+// threads as the fewest of spec.auto_plan.workers compute with (this process's are
+// put back after), then chooser.h's ChoosePlan. Costs that cannot be measured give
+// chooser.h's Fallback, its `fallback` saying why. REQUIRES: the spec's mode, batch_size,
+// replicas and optimizer set (job::CheckSpec fills them in).
+// Errors: ChoosePlan's; INVALID_ARGUMENT when the batch does not split into the replicas.
+absl::StatusOr<PlanChoice> MeasureAndChoose(const JobSpec& spec, const torch::jit::Module& model,
+                                            const std::vector<c10::IValue>& batch);
+
 }  // namespace pippy::autoplan
 
 #endif  // PIPPY_PIPELINE_AUTOPLAN_PROFILE_H_

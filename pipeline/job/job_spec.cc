@@ -179,11 +179,6 @@ absl::Status CheckEval(JobSpec* spec) {
   return absl::OkStatus();
 }
 
-}  // namespace
-
-namespace {
-
-bool AutoAny(const AutoPlanSpec& a) { return a.microbatches() || a.schedule() || a.stages(); }
 
 // A spec with auto_plan: what it leaves to pippy is checked as far as it can be before
 // the choice; the fields still to be chosen stay unset (a chosen value is checked as
@@ -236,6 +231,8 @@ absl::Status CheckAutoSpec(JobSpec* spec) {
 
 }  // namespace
 
+bool AutoPlanned(const AutoPlanSpec& a) { return a.microbatches() || a.schedule() || a.stages(); }
+
 bool PlanPending(const JobSpec& spec) {
   const AutoPlanSpec& a = spec.auto_plan();
   return (a.schedule() && spec.schedule().kind() == SCHEDULE_KIND_UNSPECIFIED) ||
@@ -243,7 +240,7 @@ bool PlanPending(const JobSpec& spec) {
 }
 
 absl::Status CheckSpec(JobSpec* spec) {
-  if (AutoAny(spec->auto_plan()) && PlanPending(*spec)) return CheckAutoSpec(spec);
+  if (PlanPending(*spec)) return CheckAutoSpec(spec);
   ScheduleSpec* sched = spec->mutable_schedule();
   if (spec->has_serving()) {
     absl::Status serving = CheckServing(spec);

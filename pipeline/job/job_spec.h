@@ -89,6 +89,8 @@ absl::Status CheckSpec(JobSpec* spec);
 // CheckSpec then checks the rest and leaves those fields unset (schedule.kind
 // UNSPECIFIED, microbatches 0, split.stages 0) for the preparation to choose.
 bool PlanPending(const JobSpec& spec);
+// Whether any part of the plan is left to pippy.
+bool AutoPlanned(const AutoPlanSpec& a);
 
 }  // namespace pippy::job
 
