@@ -285,6 +285,10 @@ absl::Status Coordinator::Queue(JobRun& run, const PreparedJob& prepared, std::v
     if (!choice.fallback().empty() && notices != nullptr) {
       notices->push_back(absl::StrCat("auto plan: costs not measured (", choice.fallback(), "); the defaults were used"));
     }
+    for (const std::string& u : choice.profile().unmeasured()) {
+      run.AddEvent(absl::StrCat("note: auto plan: not a candidate: ", u));
+      if (notices != nullptr) notices->push_back(absl::StrCat("auto plan: not a candidate: ", u));
+    }
   }
   for (const std::string& n : NoticesFor(prepared, workers_->size())) {
     run.AddEvent(absl::StrCat("note: ", n));

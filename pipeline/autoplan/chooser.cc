@@ -199,6 +199,12 @@ absl::StatusOr<PlanCandidate> Predict(const JobSpec& spec, const ModelProfile& p
       stage_buffers[s] += profile.spans(j).buffer_bytes();
       stage_act[s] += x.activation_bytes();
     }
+    if (s == 0) {
+      // The first stage receives no activations: its I has nothing to compute (its
+      // spans' I, inside the stage, is part of the backward W runs), as on the ranks.
+      w += in;
+      in = 0;
+    }
     const double k = slowdown[sched->stage_to_rank[s]];
     costs.stage_forward.push_back((f + kActionOverheadUs) * k);
     costs.stage_backward_input.push_back(train ? (in + kActionOverheadUs) * k : 0);
@@ -368,6 +374,7 @@ absl::StatusOr<PlanChoice> ChoosePlan(const JobSpec& spec, const ModelProfile& p
   int refused = 0;
   for (const PlanCandidate& c : all) refused += c.refused().empty() ? 0 : 1;
   if (refused > 0) lines.push_back(absl::StrCat(refused, " candidate(s) refused: over a worker's free memory"));
+  for (const std::string& u : profile.unmeasured()) lines.push_back("not a candidate: " + u);
   choice.set_why(absl::StrJoin(lines, "\n"));
   for (PlanCandidate& c : all) *choice.add_candidates() = std::move(c);
   return choice;

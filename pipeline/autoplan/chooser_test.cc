@@ -112,7 +112,10 @@ TEST(Chooser, SlowSmallMicrobatchesAreAvoided) {
   absl::StatusOr<PlanChoice> choice = ChoosePlan(spec, p);
   ASSERT_TRUE(choice.ok()) << choice.status();
   const PlanCandidate& w = choice->candidates(0);
-  EXPECT_EQ(64 / w.microbatches(), 16) << RenderChoice(*choice);
+  EXPECT_GE(64 / w.microbatches(), 16) << RenderChoice(*choice);
+  for (const PlanCandidate& c : choice->candidates()) {
+    if (64 / c.microbatches() < 16) EXPECT_LT(c.samples_per_second(), 0.5 * w.samples_per_second()) << RenderChoice(*choice);
+  }
 }
 
 TEST(Chooser, WorkersSharingCoresAreNotFaster) {

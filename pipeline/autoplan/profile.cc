@@ -9,6 +9,8 @@
 
 #include "ATen/Parallel.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "common/status.h"
 #include "common/torch_status.h"
 #include "pipeline/autoplan/chooser.h"
@@ -72,6 +74,17 @@ struct SpanRun {
   int64_t activation_bytes = 0;
 };
 
+// A measurement's error in one line: its context and, of a TorchScript traceback, the
+// last line (the raised error itself: "builtins.ValueError: Expected more than 1 value
+// per channel when training, ...").
+std::string Briefly(absl::string_view message) {
+  std::vector<absl::string_view> lines = absl::StrSplit(message, '\n', absl::SkipWhitespace());
+  if (lines.empty()) return "";
+  std::string out(lines.front().substr(0, 200));
+  if (lines.size() > 1) absl::StrAppend(&out, " ... ", lines.back().substr(0, 300));
+  return out;
+}
+
 }  // namespace
 
 std::vector<int> CandidateSizes(int64_t batch, int also) {
@@ -84,6 +97,7 @@ std::vector<int> CandidateSizes(int64_t batch, int also) {
   sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
   return sizes;
 }
+
 
 absl::StatusOr<ModelProfile> ProfileModel(const torch::jit::Module& model, const std::vector<c10::IValue>& batch,
                                           const ProfileOptions& options) {
@@ -128,7 +142,6 @@ absl::StatusOr<ModelProfile> ProfileModel(const torch::jit::Module& model, const
   const int S = static_cast<int>(probe.stages.size());
 
   ModelProfile profile;
-  for (int b : sizes) profile.add_microbatch_sizes(b);
   profile.set_repeats(std::max(1, options.repeats));
   profile.set_threads(at::get_num_threads());
   char host[256] = {0};
@@ -157,8 +170,12 @@ absl::StatusOr<ModelProfile> ProfileModel(const torch::jit::Module& model, const
   }
 
   const bool train = options.train;
-  absl::Status measured = TorchCall("measuring the model's spans", [&]() -> absl::Status {
-    for (int b : sizes) {
+  // Each size on its own: a size the model cannot run (BatchNorm in training with one
+  // sample, a reshape that needs a whole batch) is left out, saying why, and the plan is
+  // chosen among the others.
+  for (int b : sizes) {
+    absl::Status measured = TorchCall(absl::StrCat("measuring the model at ", b, " sample(s) per micro-batch"),
+                                      [&]() -> absl::Status {
       PIPPY_ASSIGN_OR_RETURN(auto split, stage::SplitIntoMicrobatches(batch, static_cast<int>(samples / b)));
       const std::vector<c10::IValue>& inputs = split[0];
       std::vector<SpanRun> runs(S);
@@ -251,10 +268,17 @@ absl::StatusOr<ModelProfile> ProfileModel(const torch::jit::Module& model, const
         z->set_activation_bytes(std::max<int64_t>(0, run.activation_bytes));
         z->set_cut_bytes(cut_bytes[static_cast<size_t>(s)]);
       }
+      return absl::OkStatus();
+    });
+    if (measured.ok()) {
+      profile.add_microbatch_sizes(b);
+    } else {
+      profile.add_unmeasured(Briefly(measured.message()));
     }
-    return absl::OkStatus();
-  });
-  PIPPY_RETURN_IF_ERROR(measured);
+  }
+  if (profile.microbatch_sizes_size() == 0) {
+    return absl::InvalidArgumentError(absl::StrJoin(profile.unmeasured(), "; "));
+  }
 
   // The optimizer's step over (up to 32 MiB of) parameters like the model's.
   if (train) {
