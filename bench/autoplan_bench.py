@@ -4,7 +4,8 @@
 A real pippy-coordinator and 2 pippy-worker processes (1 compute thread each, UCX
 shared memory). For each model, every run submits the grid's plans (schedule x
 micro-batches x stages, given by hand, the split by pippy's default balance) and one
-job with --schedule auto --microbatches auto --stages auto, alternating. Throughput of
+job with --schedule auto --microbatches auto --stages auto, alternating, after one untimed job
+(the workers' first steps of a model run cold). Throughput of
 a job: batch / mean step time over the steps after the first. Medians over the runs.
 Printed per model: each grid plan's measured samples/s and what the chooser predicted
 for it (the prediction of the auto job's candidate with the same schedule, micro-batches
@@ -111,6 +112,8 @@ def main():
     try:
         for name in names:
             make(tmp, name, zoo)
+            # A job first, not timed: the workers' first steps of a model run cold.
+            run_job(d, tmp, name, ["--schedule", "1f1b", "--microbatches", "2", "--stages", "2"])
             grid = {g: [] for g in GRID}
             auto, chosen, predicted, candidates = [], [], [], {}
             for run in range(a.runs):

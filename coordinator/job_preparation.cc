@@ -465,8 +465,9 @@ absl::StatusOr<PreparedJob> PrepareWhole(const JobSpec& submitted, const std::st
   phase("split");
   partition::SplitOptions so = SplitOptionsOf(spec);
   so.example_inputs = example;
-  if (choice && spec.split().split_at().empty()) {
+  if (choice && choice->fallback().empty() && spec.split().split_at().empty()) {
     so.cuts.assign(choice->candidates(0).cuts().begin(), choice->candidates(0).cuts().end());
+    so.cuts_chosen = true;
   }
   absl::StatusOr<partition::Pipe> pipe = partition::SplitModel(model, so);
   if (!pipe.ok()) return Field("split", pipe.status());

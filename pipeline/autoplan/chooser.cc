@@ -165,17 +165,27 @@ absl::StatusOr<PlanCandidate> Predict(const JobSpec& spec, const ModelProfile& p
   for (int s = 1; s < S; ++s) first[s] = starts[s - 1];
   first[S] = n;
 
-  // Hosts' contention: the threads of the workers used on each host over its cores.
-  std::map<std::string, int> threads_on_host;
+  // Hosts' contention: the threads of the workers used on each host over its cores,
+  // and, below that, ranks on one host slowing each other as measured.
+  std::map<std::string, int> threads_on_host, ranks_on_host;
   const int used = ranks * replicas;
-  for (int g = 0; g < used; ++g) threads_on_host[workers[g].host()] += std::max(1, workers[g].threads());
+  for (int g = 0; g < used; ++g) {
+    threads_on_host[workers[g].host()] += std::max(1, workers[g].threads());
+    ++ranks_on_host[workers[g].host()];
+  }
   std::vector<double> slowdown(ranks, 1.0);
   for (int q = 0; q < replicas; ++q) {
     for (int r = 0; r < ranks; ++r) {
       const WorkerCapacity& w = workers[q * ranks + r];
+      double k = 1;
+      int together = ranks_on_host[w.host()];
       if (w.host_cpus() > 0) {
-        slowdown[r] = std::max(slowdown[r], static_cast<double>(threads_on_host[w.host()]) / w.host_cpus());
+        k = std::max(1.0, static_cast<double>(threads_on_host[w.host()]) / w.host_cpus());
+        together = std::min(together, w.host_cpus());
       }
+      const int measured = profile.colocated_slowdown_size();
+      if (together > 1 && measured > 0) k *= profile.colocated_slowdown(std::min(together, measured) - 1);
+      slowdown[r] = std::max(slowdown[r], k);
     }
   }
 
@@ -462,7 +472,7 @@ std::string RenderChoice(const PlanChoice& choice, int max_rows) {
 }
 
 std::string RenderProfile(const ModelProfile& p) {
-  std::string out = absl::StrFormat("measured on %s with %d thread(s), fastest of %d, in %.1f s; optimizer step "
+  std::string out = absl::StrFormat("measured on %s with %d thread(s), median of up to %d runs, in %.1f s; optimizer step "
                                     "%.0f us/MiB\n",
                                     p.host(), p.threads(), p.repeats(), p.seconds(), p.optimizer_us_per_mib());
   absl::StrAppend(&out, absl::StrFormat("%-5s %-28s %-28s %10s", "span", "first module", "last module", "params"));

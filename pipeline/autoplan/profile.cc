@@ -5,7 +5,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <memory>
+#include <string>
+#include <thread>
 
 #include "ATen/Parallel.h"
 #include "absl/strings/str_cat.h"
@@ -70,9 +73,16 @@ c10::IValue AsLeaf(const c10::IValue& v, bool train, std::vector<at::Tensor>* le
 }
 
 struct SpanRun {
-  double forward_us = 1e300, input_us = 1e300, weight_us = 1e300;
+  std::vector<double> forward_us, input_us, weight_us;
   int64_t activation_bytes = 0;
 };
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
 
 // A measurement's error in one line: its context and, of a TorchScript traceback, the
 // last line (the raised error itself: "builtins.ValueError: Expected more than 1 value
@@ -180,7 +190,12 @@ absl::StatusOr<ModelProfile> ProfileModel(const torch::jit::Module& model, const
       const std::vector<c10::IValue>& inputs = split[0];
       std::vector<SpanRun> runs(S);
       std::vector<std::vector<c10::IValue>> outs(S);
-      for (int rep = 0; rep <= options.repeats; ++rep) {
+      const int warmups = std::max(0, options.warmups);
+      const int most = warmups + std::max(1, options.repeats);
+      const Clock::time_point size_began = Clock::now();
+      for (int rep = 0; rep < most; ++rep) {
+        const bool timed = rep >= warmups;
+        if (rep >= warmups + 3 && Micros(size_began) > 1e6 * options.seconds_per_size) break;
         for (int s = 0; s < S; ++s) {
           const StagePlan& sp = probe.plan.stages(s);
           std::vector<at::Tensor> leaves;
@@ -204,9 +219,9 @@ absl::StatusOr<ModelProfile> ProfileModel(const torch::jit::Module& model, const
           const double f = Micros(t0);
           const int64_t held = HeapInUse() - heap_before;
           SpanRun& run = runs[static_cast<size_t>(s)];
-          if (rep > 0) {
-            run.forward_us = std::min(run.forward_us, f);
-            run.activation_bytes = rep == 1 ? held : std::min(run.activation_bytes, held);
+          if (timed) {
+            run.forward_us.push_back(f);
+            run.activation_bytes = rep == warmups ? held : std::min(run.activation_bytes, held);
           }
           std::vector<at::Tensor> out_tensors, differentiable, grads;
           CollectTensors(result, &out_tensors);
@@ -231,9 +246,9 @@ absl::StatusOr<ModelProfile> ProfileModel(const torch::jit::Module& model, const
               w_us = Micros(t0);
             }
           }
-          if (rep > 0) {
-            run.input_us = std::min(run.input_us, in_us);
-            run.weight_us = std::min(run.weight_us, w_us);
+          if (timed) {
+            run.input_us.push_back(in_us);
+            run.weight_us.push_back(w_us);
           }
           std::vector<c10::IValue> next;
           if (sp.is_last()) {
@@ -262,9 +277,9 @@ absl::StatusOr<ModelProfile> ProfileModel(const torch::jit::Module& model, const
       for (int s = 0; s < S; ++s) {
         const SpanRun& run = runs[static_cast<size_t>(s)];
         SpanSize* z = profile.mutable_spans(s)->add_sizes();
-        z->set_forward_us(run.forward_us);
-        z->set_backward_input_us(run.input_us);
-        z->set_backward_weight_us(run.weight_us);
+        z->set_forward_us(Median(run.forward_us));
+        z->set_backward_input_us(Median(run.input_us));
+        z->set_backward_weight_us(Median(run.weight_us));
         z->set_activation_bytes(std::max<int64_t>(0, run.activation_bytes));
         z->set_cut_bytes(cut_bytes[static_cast<size_t>(s)]);
       }
@@ -292,19 +307,53 @@ absl::StatusOr<ModelProfile> ProfileModel(const torch::jit::Module& model, const
       oo.kind = options.optimizer == OPTIMIZER_UNSPECIFIED ? OPTIMIZER_SGD : options.optimizer;
       oo.momentum = 0.9;
       PIPPY_ASSIGN_OR_RETURN(std::unique_ptr<torch::optim::Optimizer> optimizer, stage::MakeOptimizer(oo, {p}));
-      double best = 1e300;
-      for (int rep = 0; rep <= options.repeats; ++rep) {
+      std::vector<double> runs;
+      for (int rep = 0; rep < 1 + std::max(1, options.repeats); ++rep) {
         const Clock::time_point t0 = Clock::now();
         optimizer->step();
-        if (rep > 0) best = std::min(best, Micros(t0));
+        if (rep > 0) runs.push_back(Micros(t0));
       }
-      profile.set_optimizer_us_per_mib(best / (static_cast<double>(elems * 4) / (1 << 20)));
+      profile.set_optimizer_us_per_mib(Median(runs) / (static_cast<double>(elems * 4) / (1 << 20)));
       return absl::OkStatus();
     });
     PIPPY_RETURN_IF_ERROR(opt);
   }
   profile.set_seconds(Micros(began) / 1e6);
   return profile;
+}
+
+std::vector<double> MeasureColocation(int max_k) {
+  std::vector<double> out = {1.0};
+  max_k = std::min(max_k, 16);
+  if (max_k < 2) return out;
+  at::Tensor w = at::randn({256, 256});
+  auto work = [&w]() -> double {
+    c10::InferenceMode guard;
+    at::Tensor x = at::randn({64, 256});
+    const Clock::time_point t0 = Clock::now();
+    for (int i = 0; i < 60; ++i) x = at::tanh(at::mm(x, w) + x) * 0.5;
+    return Micros(t0);
+  };
+  // k threads at once, each its time; the median of 3 rounds of their mean.
+  auto round = [&](int k) {
+    std::vector<double> times(static_cast<size_t>(k));
+    std::vector<std::thread> threads;
+    for (int t = 0; t < k; ++t) threads.emplace_back([&, t] { times[static_cast<size_t>(t)] = work(); });
+    for (std::thread& th : threads) th.join();
+    double sum = 0;
+    for (double v : times) sum += v;
+    return sum / k;
+  };
+  work();  // warm-up
+  std::vector<double> alone;
+  for (int r = 0; r < 5; ++r) alone.push_back(round(1));
+  const double base = Median(alone);
+  for (int k = 2; k <= max_k; ++k) {
+    std::vector<double> together;
+    for (int r = 0; r < 3; ++r) together.push_back(round(k));
+    out.push_back(base > 0 ? std::max(1.0, Median(together) / base) : 1.0);
+  }
+  return out;
 }
 
 absl::StatusOr<PlanChoice> MeasureAndChoose(const JobSpec& spec, const torch::jit::Module& model,
@@ -329,6 +378,16 @@ absl::StatusOr<PlanChoice> MeasureAndChoose(const JobSpec& spec, const torch::ji
   at::set_num_threads(threads);
   if (openblas_set_num_threads) openblas_set_num_threads(threads);
   absl::StatusOr<ModelProfile> profile = ProfileModel(model, per_replica, po);
+  if (profile.ok()) {
+    // The most ranks any candidate could put on one host, up to its cores.
+    std::map<std::string, int> on_host;
+    int most = 1;
+    for (const WorkerCapacity& w : spec.auto_plan().workers()) {
+      const int n = ++on_host[w.host()];
+      most = std::max(most, w.host_cpus() > 0 ? std::min(n, w.host_cpus()) : n);
+    }
+    for (double v : MeasureColocation(most)) profile->add_colocated_slowdown(v);
+  }
   at::set_num_threads(had);
   if (openblas_set_num_threads) openblas_set_num_threads(had);
   if (!profile.ok()) return Fallback(spec, std::string(profile.status().message()));

@@ -2,7 +2,8 @@
 // `max_spans` - 1 evenly spread legal cuts into spans, and each span timed, for each
 // micro-batch size, as training runs a stage: its forward with autograd recording, the
 // gradients of its inputs (I), then of its parameters (W); with the memory it holds
-// from forward to backward and the bytes a cut after it would send. The spans run in
+// from forward to backward and the bytes a cut after it would send (the medians of
+// repeated runs, interleaved span by span as a rank runs them). The spans run in
 // order on the first micro-batch of the example batch, each span's inputs the previous
 // spans' outputs. The chooser (chooser.h) sums spans into stages.
 //
@@ -24,7 +25,12 @@ struct ProfileOptions {
   // Samples per micro-batch to measure, each dividing the batch (empty: the batch's
   // own size only). Measured in ascending order.
   std::vector<int> microbatch_sizes;
-  int repeats = 2;            // after one warm-up run; the fastest is kept
+  // Each time is the median of up to `repeats` runs after `warmups` untimed ones; a
+  // size stops repeating once its runs took `seconds_per_size` (with at least 3 runs:
+  // one run of a fast model is noise, more of a slow one only cost time).
+  int repeats = 7;
+  int warmups = 2;
+  double seconds_per_size = 1.0;
   int max_spans = 24;
   bool train = true;          // false: forward only, without autograd
   OptimizerKind optimizer = OPTIMIZER_SGD;
@@ -33,6 +39,12 @@ struct ProfileOptions {
 // The micro-batch sizes worth measuring for a batch: batch / m for m = 1, 2, 4, ... up
 // to 32 (and `also`, if it divides the batch), ascending.
 std::vector<int> CandidateSizes(int64_t batch, int also = 0);
+
+// How much k one-thread computations running at once on this host slow each other, for
+// k = 1 .. max_k: the mean time of a fixed workload (matrix products and element-wise
+// ops, as a model's) run by k threads together over its time alone (element 0 is 1).
+// Takes about 0.1 s per k.
+std::vector<double> MeasureColocation(int max_k);
 
 // `batch` is forward()'s arguments for a whole batch (dim 0 the samples).
 // Errors: INVALID_ARGUMENT when the batch does not fit the model (or a size does not

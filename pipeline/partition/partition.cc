@@ -39,7 +39,7 @@ absl::StatusOr<Pipe> SplitModel(const torch::jit::Module& model, const SplitOpti
   std::vector<int> cuts;
   std::vector<double> op_costs = ParamCosts(*mg);
   plan.set_cost_unit("bytes");
-  if (!options.cuts.empty()) {
+  if (!options.cuts.empty() || options.cuts_chosen) {
     plan.set_split_method("auto-plan");
     for (size_t i = 0; i < options.cuts.size(); ++i) {
       const int c = options.cuts[i];

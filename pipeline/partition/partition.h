@@ -32,6 +32,7 @@ struct SplitOptions {
   // Or the cuts as op positions of the inlined forward (ascending, each a legal cut):
   // what the automatic plan chose (pipeline/autoplan). Before split_at.
   std::vector<int> cuts;
+  bool cuts_chosen = false;           // `cuts` holds the automatic plan's, even when none (one stage)
   int num_stages = 0;                 // automatic split (0: markers, or one stage)
   // What an automatic split equalises: parameter bytes (PARAMS, also UNSPECIFIED),
   // estimated FLOPs from the shapes seen with the example input (FLOPS), or measured
