@@ -74,13 +74,16 @@ torch.save({{"inputs": i[:{batch}], "targets": t[:{batch}]}}, "{tmp}/{name}.data
 shutil.copy("{zoo}/gpt.pt", "{tmp}/{name}.pt")
 """], check=True)
         return
-    subprocess.run(["/usr/bin/python3", "-c", f"""
+    # From a file: torch.jit.script reads a class's source.
+    with open(f"{tmp}/make_{name}.py", "w") as f:
+        f.write(f"""
 import torch
 torch.manual_seed(0)
 {code}
 torch.jit.script(model).save("{tmp}/{name}.pt")
 torch.save({{"inputs": inputs, "targets": targets}}, "{tmp}/{name}.data.pt")
-"""], check=True)
+""")
+    subprocess.run(["/usr/bin/python3", f"{tmp}/make_{name}.py"], check=True)
 
 
 def run_job(d, tmp, name, plan_args):

@@ -15,6 +15,7 @@
 #include "coordinator/rank_sender.h"
 #include "coordinator/result_assembly.h"
 #include "coordinator/resume.h"
+#include "pipeline/autoplan/calibration.h"
 #include "pipeline/job/job_spec.h"
 #include "pipeline/job/layout.h"
 #include "proto/job_state.h"
@@ -269,6 +270,8 @@ JobSpec Coordinator::WithWorkers(const JobSpec& spec) {
     c->set_host_cpus(w->info.host_cpus());
     c->set_gpu(w->device.is_gpu());
   }
+  plan->clear_calibration();
+  for (const ActionFactors& f : calibration_) *plan->add_calibration() = f;
   return out;
 }
 
@@ -658,6 +661,11 @@ void Coordinator::OnRankMessage(WorkerRegistry::Worker& w, const WorkerMessage& 
   } else if (m.has_step()) {
     std::optional<CompletedStep> done = run->OnStepReport(m.step());
     if (done.has_value()) metrics_.OnStep(*done);
+    if (std::optional<ActionFactors> learned = run->TakeCalibration()) {
+      autoplan::Merge(*learned, &calibration_);
+      log::Info("job={} auto plan calibration, {} rank(s) on a host: measured / predicted {}", job_id,
+                learned->ranks_on_host(), autoplan::DescribeFactors(*learned));
+    }
   } else {
     JobRun::RankOutcome outcome = run->OnRankFinished(m.finished(), w.info.name());
     if (outcome.kind == JobRun::RankOutcome::kRecover) LoseAttempt(*run, outcome.reason, out);

@@ -271,6 +271,10 @@ class Coordinator {
   bool schedule_soon_ ABSL_GUARDED_BY(mu_) = false;  // workers registered since the last pass
   absl::Time scheduled_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   std::vector<std::string> queue_ ABSL_GUARDED_BY(mu_);  // queued job ids, oldest first
+  // What auto jobs' compute actions took on the workers against their predictions, by
+  // ranks per host (pipeline/autoplan/calibration.h): given to later auto jobs. Kept in
+  // memory only: a restarted coordinator learns again.
+  std::vector<ActionFactors> calibration_ ABSL_GUARDED_BY(mu_);
   std::thread loop_;
   // Declared last: destroyed (its threads joined) first.
   TaskRunner tasks_;

@@ -303,6 +303,16 @@ std::vector<RankSend> JobRun::Place(const std::vector<PlacedWorker>& workers) {
     send.stop = stop_;
     sends.push_back(std::move(send));
   }
+  std::map<std::string, int> on_host;
+  ranks_on_host_ = 1;
+  for (const PlacedWorker& w : workers) ranks_on_host_ = std::max(ranks_on_host_, ++on_host[w.host]);
+  calibration_.reset();
+  calibration_steps_ = 0;
+  if (const PlanChoice& c = job_.plan().choice();
+      c.fallback().empty() && c.candidates_size() > 0 && c.candidates(0).stage_forward_us_size() > 0 &&
+      job_.spec().mode() == MODE_TRAIN) {
+    calibration_.emplace(c.candidates(0));
+  }
   // The transport of each edge between ranks, from their workers' hosts and devices
   // (replica 0's; the replicas are placed alike).
   std::vector<job::RankPlace> places;
@@ -395,7 +405,15 @@ std::optional<CompletedStep> JobRun::OnStepReport(const StepReport& report) {
   double eval_sum = 0;
   int evals = 0;
   job_.clear_breakdown();
+  const bool calibrating = calibration_.has_value() && report.step() >= 1 && report.step() <= kCalibrationSteps;
   for (const auto& [rank, r] : reports) {
+    if (calibrating) {
+      std::vector<autoplan::TimedCompute> actions;
+      for (const TraceEvent& ev : r.events()) {
+        if (ev.kind() == TRACE_COMPUTE) actions.push_back({ev.name(), static_cast<double>(ev.duration_us())});
+      }
+      calibration_->Add(actions);
+    }
     busy += r.busy_seconds();
     done.seconds = std::max(done.seconds, r.step_seconds());
     if (r.has_loss()) {
@@ -419,6 +437,7 @@ std::optional<CompletedStep> JobRun::OnStepReport(const StepReport& report) {
       if (ev.kind() == TRACE_RECV) done.bytes_received += ev.bytes();
     }
   }
+  if (calibrating) ++calibration_steps_;
   if (losses > 0) loss /= losses;
   job_.set_step(report.step() + 1);
   if (job_.spec().mode() == MODE_TRAIN) {
@@ -437,6 +456,13 @@ std::optional<CompletedStep> JobRun::OnStepReport(const StepReport& report) {
   reports_.erase(report.step());
   Touch();
   return done;
+}
+
+std::optional<ActionFactors> JobRun::TakeCalibration() {
+  if (!calibration_.has_value() || calibration_steps_ < kCalibrationSteps) return std::nullopt;
+  std::optional<ActionFactors> f = calibration_->Factors(ranks_on_host_);
+  calibration_.reset();
+  return f;
 }
 
 JobRun::RankOutcome JobRun::OnRankFinished(const RankFinished& f, const std::string& worker_name) {

@@ -43,6 +43,7 @@
 #include "coordinator/serving.h"
 #include "coordinator/step_trace.h"
 #include "coordinator/worker_channel.h"
+#include "pipeline/autoplan/calibration.h"
 #include "proto/coordinator.pb.h"
 #include "proto/plan.pb.h"
 
@@ -141,6 +142,11 @@ class JobRun {
     std::string reason;  // kRecover, kFail: which rank, on which worker, and why
   };
   RankOutcome OnRankFinished(const RankFinished& finished, const std::string& worker_name);
+  // An auto-planned job's compute actions in its steps 1 to kCalibrationSteps (the first
+  // warms up) against what its chosen candidate predicted: once those steps are in, the
+  // factors learned (with the most ranks its placement put on one host), once per job.
+  static constexpr int kCalibrationSteps = 3;
+  std::optional<ActionFactors> TakeCalibration();
   // A checkpoint chunk: its global rank if it belongs to the running attempt's next
   // checkpoint and names a stage and rank of the job; nullopt to drop it.
   std::optional<int> CheckpointRank(const CheckpointChunk& chunk) const;
@@ -213,6 +219,9 @@ class JobRun {
   absl::Time checkpoint_time_ = absl::InfinitePast();  // when the last one was committed
   absl::Time recover_deadline_;
   StepTraces traces_;
+  std::optional<autoplan::CalibrationSample> calibration_;  // an auto plan's, until taken
+  int calibration_steps_ = 0;
+  int ranks_on_host_ = 1;                              // the most ranks of this placement on one host
 };
 
 }  // namespace pippy::coordinator

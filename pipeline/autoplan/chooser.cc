@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "pipeline/autoplan/calibration.h"
 #include "pipeline/job/job_spec.h"
 #include "pipeline/schedule/schedule.h"
 #include "pipeline/schedule/simulator.h"
@@ -174,6 +175,7 @@ absl::StatusOr<PlanCandidate> Predict(const JobSpec& spec, const ModelProfile& p
     ++ranks_on_host[workers[g].host()];
   }
   std::vector<double> slowdown(ranks, 1.0);
+  std::vector<int> sharing(ranks, 1);  // the most ranks on the host of rank r, over its replicas
   for (int q = 0; q < replicas; ++q) {
     for (int r = 0; r < ranks; ++r) {
       const WorkerCapacity& w = workers[q * ranks + r];
@@ -186,8 +188,11 @@ absl::StatusOr<PlanCandidate> Predict(const JobSpec& spec, const ModelProfile& p
       const int measured = profile.colocated_slowdown_size();
       if (together > 1 && measured > 0) k *= profile.colocated_slowdown(std::min(together, measured) - 1);
       slowdown[r] = std::max(slowdown[r], k);
+      sharing[r] = std::max(sharing[r], ranks_on_host[w.host()]);
     }
   }
+  // What the workers measured in earlier jobs against such predictions, per kind.
+  const bool split_backward = kind == SCHEDULE_ZB1P || kind == SCHEDULE_ZBV;
 
   PlanCandidate c;
   c.set_schedule(kind);
@@ -215,11 +220,24 @@ absl::StatusOr<PlanCandidate> Predict(const JobSpec& spec, const ModelProfile& p
       w += in;
       in = 0;
     }
-    const double k = slowdown[sched->stage_to_rank[s]];
-    costs.stage_forward.push_back((f + kActionOverheadUs) * k);
-    costs.stage_backward_input.push_back(train ? (in + kActionOverheadUs) * k : 0);
-    costs.stage_backward_weight.push_back(train ? w * k : 0);
-    c.add_stage_compute_us((f + (train ? in + w : 0)) * k);
+    const int rank = sched->stage_to_rank[s];
+    const double k = slowdown[rank];
+    f *= k;
+    in = train ? in * k : 0;
+    w = train ? w * k : 0;
+    c.add_stage_forward_us(f);
+    c.add_stage_input_us(in);
+    c.add_stage_weight_us(w);
+    if (const ActionFactors* cal = FactorsFor(spec.auto_plan().calibration(), sharing[rank])) {
+      auto x = [](double v) { return v > 0 ? v : 1.0; };
+      f *= x(cal->forward());
+      in *= x(split_backward ? cal->backward_input() : cal->backward());
+      w *= x(split_backward ? cal->backward_weight() : cal->backward());
+    }
+    costs.stage_forward.push_back(f + kActionOverheadUs);
+    costs.stage_backward_input.push_back(train ? in + kActionOverheadUs : 0);
+    costs.stage_backward_weight.push_back(w);
+    c.add_stage_compute_us(f + in + w);
     if (s > 0) c.add_cuts(profile.spans(first[s]).first_node());
     const int64_t bytes_in = s > 0 ? profile.spans(first[s] - 1).sizes(z).cut_bytes() : 0;
     const int64_t bytes_out = s + 1 < S ? profile.spans(first[s + 1] - 1).sizes(z).cut_bytes() : 0;
@@ -385,6 +403,10 @@ absl::StatusOr<PlanChoice> ChoosePlan(const JobSpec& spec, const ModelProfile& p
   for (const PlanCandidate& c : all) refused += c.refused().empty() ? 0 : 1;
   if (refused > 0) lines.push_back(absl::StrCat(refused, " candidate(s) refused: over a worker's free memory"));
   for (const std::string& u : profile.unmeasured()) lines.push_back("not a candidate: " + u);
+  for (const ActionFactors& f : a.calibration()) {
+    lines.push_back(absl::StrCat("ranks on a host of ", f.ranks_on_host(), " or more: costs scaled by what the workers "
+                                 "measured in ", f.jobs(), " earlier job(s): ", DescribeFactors(f)));
+  }
   choice.set_why(absl::StrJoin(lines, "\n"));
   for (PlanCandidate& c : all) *choice.add_candidates() = std::move(c);
   return choice;

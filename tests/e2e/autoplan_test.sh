@@ -3,7 +3,8 @@
 # 127.0.0.1. The zoo's GPT submitted with --schedule/--microbatches/--stages auto: the
 # coordinator measures it, chooses, and the job trains; the fetched model is checked with
 # /usr/bin/python3 against the unsplit model trained with the micro-batches auto chose.
-# Then --microbatches auto alone (the rest kept as given); a BatchNorm1d model that cannot
+# Then --microbatches auto alone (the rest kept as given, the choice calibrated by what
+# the first job's steps took on the workers); a BatchNorm1d model that cannot
 # run one-sample micro-batches (that size is left out, saying why); --explain and status;
 # the refusals; `pippyctl plan` offline and `pippyctl split --profile`.
 set -u
@@ -109,6 +110,17 @@ verdict=$(pyget "$TMP/m.json" "'ok' if (j['plan']['choice']['chosen'] == ['micro
     else (j['plan']['choice']['chosen'], j['spec']['schedule'], [(c['schedule'], c['microbatches'], c['stages']) for c in j['plan']['choice']['candidates']])")
 # 1F1B needs at least as many micro-batches as stages: m = 1 is no candidate.
 [ "$verdict" = ok ] && ok "--microbatches auto: only m varies (2, 4, 8), 1f1b on 2 stages kept" || bad "m only: $verdict"
+
+# The first job's steps 1-3 taught the coordinator what its workers' actions cost against
+# the prediction: the second job's choice was scaled by that, and says so.
+verdict=$(pyget "$TMP/m.json" "'ok' if (len(j['spec']['auto_plan'].get('calibration', [])) >= 1 and
+    all(f.get('jobs', 0) >= 1 and f.get('forward', 0) > 0 for f in j['spec']['auto_plan']['calibration']) and
+    'earlier job(s): F x' in j['plan']['choice']['why'])
+    else (j['spec']['auto_plan'].get('calibration'), j['plan']['choice']['why'])")
+[ "$verdict" = ok ] && ok "the second auto job is calibrated by what the first measured on the workers" ||
+  bad "calibration: $verdict"
+grep -q "auto plan calibration, [0-9] rank(s) on a host: measured / predicted F x" "$TMP/coordinator.log" &&
+  ok "the coordinator logs what it learned" || bad "no calibration in the coordinator's log"
 
 # 3. A model that cannot run one-sample micro-batches in training (BatchNorm1d): that
 # size is no candidate, the job says why, and it still trains equal to PyTorch.
