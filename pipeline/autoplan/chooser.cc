@@ -79,7 +79,7 @@ std::vector<int> MinMaxGroups(const std::vector<double>& c, int k) {
 std::vector<ScheduleKind> KindsFor(const JobSpec& spec) {
   if (!spec.auto_plan().schedule()) return {spec.schedule().kind()};
   if (!Training(spec)) return {SCHEDULE_INFERENCE};
-  return {SCHEDULE_GPIPE, SCHEDULE_1F1B, SCHEDULE_INTERLEAVED_1F1B, SCHEDULE_ZB1P, SCHEDULE_ZBV};
+  return {SCHEDULE_GPIPE, SCHEDULE_1F1B, SCHEDULE_ZB1P, SCHEDULE_INTERLEAVED_1F1B, SCHEDULE_ZBV};
 }
 
 std::string Mib(int64_t bytes) { return absl::StrFormat("%.0f MiB", static_cast<double>(bytes) / (1 << 20)); }
@@ -327,7 +327,9 @@ absl::StatusOr<PlanChoice> ChoosePlan(const JobSpec& spec, const ModelProfile& p
     const int V = StagesPerWorker(spec, kind);
     std::vector<int> rank_options;
     if (a.stages()) {
-      for (int r = 1; r <= max_ranks; ++r) rank_options.push_back(r);
+      // Two stages per worker on one worker parallelise nothing: when the schedule is
+      // chosen too, one worker runs one stage.
+      for (int r = V > 1 && a.schedule() ? 2 : 1; r <= max_ranks; ++r) rank_options.push_back(r);
     } else if (spec.split().stages() % V == 0) {
       rank_options.push_back(spec.split().stages() / V);
     } else if (first_error.empty()) {
@@ -359,11 +361,16 @@ absl::StatusOr<PlanChoice> ChoosePlan(const JobSpec& spec, const ModelProfile& p
     return absl::InvalidArgumentError(absl::StrCat("no plan fits the workers' memory: the fastest, ",
                                                    Describe(all[0]), ", is refused: ", all[0].refused()));
   }
-  // A simpler plan close to the fastest: fewer workers, then fewer micro-batches.
+  // A simpler plan close to the fastest: fewer workers, then fewer micro-batches, then
+  // the simpler schedule (in KindsFor's order).
+  const std::vector<ScheduleKind> kinds = KindsFor(spec);
+  auto simplicity = [&kinds](ScheduleKind k) { return std::find(kinds.begin(), kinds.end(), k) - kinds.begin(); };
   size_t win = 0;
   for (size_t i = 1; i < all.size() && all[i].refused().empty(); ++i) {
     if (all[i].samples_per_second() < (1 - kSimplerWithin) * all[0].samples_per_second()) break;
-    auto key = [](const PlanCandidate& c) { return std::make_tuple(c.workers(), c.microbatches()); };
+    auto key = [&](const PlanCandidate& c) {
+      return std::make_tuple(c.workers(), c.microbatches(), simplicity(c.schedule()));
+    };
     if (key(all[i]) < key(all[win])) win = i;
   }
   std::rotate(all.begin(), all.begin() + static_cast<long>(win), all.begin() + static_cast<long>(win) + 1);

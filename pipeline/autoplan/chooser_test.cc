@@ -220,6 +220,21 @@ TEST(Chooser, InterleavedHoldsTwoStagesPerWorker) {
   EXPECT_EQ(applied.split().stages(), choice->candidates(0).stages());
 }
 
+TEST(Chooser, OneWorkerRunsTheSimplestScheduleAndOneStage) {
+  // One worker: every schedule does the same work; none gets two stages on it, and the
+  // tie goes to the simplest (GPipe).
+  ModelProfile p = MakeProfile(8, kSizes, [](int, int b) { return 2000.0 * b; });
+  JobSpec spec = TrainSpec(64);
+  spec.mutable_auto_plan()->set_schedule(true);
+  spec.mutable_auto_plan()->set_microbatches(true);
+  spec.mutable_auto_plan()->set_stages(true);
+  SetWorkers(Workers(1, "h", 2), &spec);
+  absl::StatusOr<PlanChoice> choice = ChoosePlan(spec, p);
+  ASSERT_TRUE(choice.ok()) << choice.status();
+  for (const PlanCandidate& c : choice->candidates()) EXPECT_EQ(c.stages(), 1) << RenderChoice(*choice);
+  EXPECT_EQ(choice->candidates(0).schedule(), SCHEDULE_GPIPE) << RenderChoice(*choice);
+}
+
 TEST(Chooser, FallbackTakesTheDefaults) {
   JobSpec spec = TrainSpec(64);
   spec.mutable_auto_plan()->set_schedule(true);
