@@ -110,6 +110,10 @@ std::string Versus(const PlanCandidate& win, const PlanCandidate& other, int64_t
     cause += absl::StrFormat("its compute per sample is %.2fx (smaller micro-batches, or workers sharing cores)",
                              per_sample_ratio);
   }
+  if (gain < 0.005) {
+    return absl::StrFormat("%s: %.1f samples/s, as fast (the simpler plan is preferred)", Describe(other),
+                           other.samples_per_second());
+  }
   if (cause.empty()) cause = "the slowest rank is busier";
   return absl::StrFormat("%s: %.1f samples/s, %.1f%% slower (%s)", Describe(other), other.samples_per_second(),
                          100 * gain / (1 + gain), cause);

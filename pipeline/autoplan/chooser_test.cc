@@ -114,7 +114,9 @@ TEST(Chooser, SlowSmallMicrobatchesAreAvoided) {
   const PlanCandidate& w = choice->candidates(0);
   EXPECT_GE(64 / w.microbatches(), 16) << RenderChoice(*choice);
   for (const PlanCandidate& c : choice->candidates()) {
-    if (64 / c.microbatches() < 16) EXPECT_LT(c.samples_per_second(), 0.5 * w.samples_per_second()) << RenderChoice(*choice);
+    if (64 / c.microbatches() < 16) {
+      EXPECT_LT(c.samples_per_second(), 0.5 * w.samples_per_second()) << RenderChoice(*choice);
+    }
   }
 }
 
@@ -233,6 +235,9 @@ TEST(Chooser, OneWorkerRunsTheSimplestScheduleAndOneStage) {
   ASSERT_TRUE(choice.ok()) << choice.status();
   for (const PlanCandidate& c : choice->candidates()) EXPECT_EQ(c.stages(), 1) << RenderChoice(*choice);
   EXPECT_EQ(choice->candidates(0).schedule(), SCHEDULE_GPIPE) << RenderChoice(*choice);
+  EXPECT_NE(choice->why().find("best other schedule, 1f1b with 1 micro-batch, 1 stage on 1 worker: "), std::string::npos)
+      << choice->why();
+  EXPECT_NE(choice->why().find("as fast (the simpler plan is preferred)"), std::string::npos) << choice->why();
 }
 
 TEST(Chooser, FallbackTakesTheDefaults) {
