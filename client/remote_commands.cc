@@ -379,6 +379,19 @@ void PrintJob(const Job& j) {
   }
 }
 
+// One GetJob, within 10 s.
+absl::StatusOr<Job> GetJobOnce(Coordinator::Stub* stub, const std::string& id, const GlobalFlags& g) {
+  grpc::ClientContext ctx;
+  Authorize(&ctx, g);
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  GetJobRequest req;
+  req.set_job_id(id);
+  Job job;
+  grpc::Status s = stub->GetJob(&ctx, req, &job);
+  if (!s.ok()) return FromGrpc(s, g.coordinator);
+  return job;
+}
+
 // Follows a job until it ends; returns its final record. A coordinator that goes away
 // (a restart) is dialled again for up to kWatchReconnect.
 constexpr absl::Duration kWatchReconnect = absl::Seconds(120);
@@ -439,14 +452,7 @@ absl::StatusOr<Job> Watch(Coordinator::Stub* stub, const std::string& job_id, co
     absl::SleepFor(absl::Milliseconds(500));
   }
   if (tty) std::cout << "\n";
-  grpc::ClientContext ctx2;
-  Authorize(&ctx2, g);
-  GetJobRequest get;
-  get.set_job_id(job_id);
-  Job job;
-  grpc::Status s = stub->GetJob(&ctx2, get, &job);
-  if (!s.ok()) return FromGrpc(s, g.coordinator);
-  return job;
+  return GetJobOnce(stub, job_id, g);
 }
 
 // Exit code of a finished job: 0 only if it SUCCEEDED.
@@ -748,18 +754,6 @@ absl::StatusOr<std::string> Submit(Coordinator::Stub* stub, const JobSpec& spec,
   return resp.job_id();
 }
 
-// One GetJob, within 10 s.
-absl::StatusOr<Job> GetJobOnce(Coordinator::Stub* stub, const std::string& id, const GlobalFlags& g) {
-  grpc::ClientContext ctx;
-  Authorize(&ctx, g);
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  GetJobRequest req;
-  req.set_job_id(id);
-  Job job;
-  grpc::Status s = stub->GetJob(&ctx, req, &job);
-  if (!s.ok()) return FromGrpc(s, g.coordinator);
-  return job;
-}
 
 // The job once the coordinator prepared it (a detached submission is PARTITIONING
 // until then): within 10 minutes.

@@ -15,7 +15,6 @@
 #include "common/torch_status.h"
 #include <thread>
 
-
 #include "pipeline/autoplan/chooser.h"
 #include "pipeline/autoplan/profile.h"
 #include "pipeline/job/job_spec.h"

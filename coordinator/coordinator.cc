@@ -214,11 +214,15 @@ absl::Status Coordinator::Admit(const PreparedJob& prepared) {
   return absl::OkStatus();
 }
 
-// What a user probably did not mean, though it runs: a schedule of several stages per
-// worker that leaves registered workers idle (`--schedule zbv --stages 2` on 2
-// workers), a batch larger than the data (steps take samples more than once).
+// What a user probably did not mean, though it runs: micro-batch sizes an auto plan
+// could not measure (so did not consider), a schedule of several stages per worker
+// that leaves registered workers idle (`--schedule zbv --stages 2` on 2 workers), a
+// batch larger than the data (steps take samples more than once).
 static std::vector<std::string> NoticesFor(const PreparedJob& p, int registered) {
   std::vector<std::string> notices;
+  for (const std::string& u : p.plan.choice().profile().unmeasured()) {
+    notices.push_back("auto plan: not a candidate: " + u);
+  }
   const int per_worker = p.spec.schedule().stages_per_worker();
   const int replicas = std::max(1, p.spec.replicas()) * std::max(1, p.spec.tensor_parallel().size());
   const int used = p.layout.ranks_size() * replicas;
@@ -287,10 +291,6 @@ absl::Status Coordinator::Queue(JobRun& run, const PreparedJob& prepared, std::v
                                   : absl::StrCat(": the defaults, costs not measured (", choice.fallback(), ")")));
     if (!choice.fallback().empty() && notices != nullptr) {
       notices->push_back(absl::StrCat("auto plan: costs not measured (", choice.fallback(), "); the defaults were used"));
-    }
-    for (const std::string& u : choice.profile().unmeasured()) {
-      run.AddEvent(absl::StrCat("note: auto plan: not a candidate: ", u));
-      if (notices != nullptr) notices->push_back(absl::StrCat("auto plan: not a candidate: ", u));
     }
   }
   for (const std::string& n : NoticesFor(prepared, workers_->size())) {

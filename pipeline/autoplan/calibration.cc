@@ -1,10 +1,10 @@
 #include "pipeline/autoplan/calibration.h"
 
 #include <algorithm>
-#include <cctype>
 
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "pipeline/schedule/action.h"
 
 namespace pippy::autoplan {
 namespace {
@@ -17,22 +17,18 @@ double At(const google::protobuf::RepeatedField<double>& v, int i) { return i >=
 
 void CalibrationSample::Add(const std::vector<TimedCompute>& actions) {
   for (const TimedCompute& a : actions) {
-    size_t i = 0;
-    int stage = 0;
-    while (i < a.name.size() && std::isdigit(static_cast<unsigned char>(a.name[i]))) {
-      stage = stage * 10 + (a.name[i] - '0');
-      ++i;
-    }
-    if (i == 0 || i + 1 >= a.name.size() || !std::isdigit(static_cast<unsigned char>(a.name[i + 1]))) continue;
+    absl::StatusOr<schedule::Action> action = schedule::ParseAction(a.name);
+    if (!action.ok() || !action->IsCompute()) continue;
+    const int stage = action->stage;
     const double f = At(chosen_.stage_forward_us(), stage), in = At(chosen_.stage_input_us(), stage),
                  w = At(chosen_.stage_weight_us(), stage);
     int kind;
     double predicted;
-    switch (a.name[i]) {
-      case 'F': kind = kF; predicted = f; break;
-      case 'B': kind = kB; predicted = in + w; break;
-      case 'I': kind = kI; predicted = in; break;
-      case 'W': kind = kW; predicted = w; break;
+    switch (action->type) {
+      case schedule::ActionType::kForward: kind = kF; predicted = f; break;
+      case schedule::ActionType::kBackward: kind = kB; predicted = in + w; break;
+      case schedule::ActionType::kBackwardInput: kind = kI; predicted = in; break;
+      case schedule::ActionType::kBackwardWeight: kind = kW; predicted = w; break;
       default: continue;
     }
     // A stage with nothing predicted for the kind (the first stage's I) teaches nothing.

@@ -99,6 +99,10 @@ double PerSampleUs(const PlanCandidate& c, int64_t batch) {
 // Why `win` beat `other`, in the dimension they differ in most.
 std::string Versus(const PlanCandidate& win, const PlanCandidate& other, int64_t batch) {
   const double gain = win.samples_per_second() / std::max(1e-9, other.samples_per_second()) - 1;
+  if (gain < 0.005) {
+    return absl::StrFormat("%s: %.1f samples/s, as fast (the simpler plan is preferred)", Describe(other),
+                           other.samples_per_second());
+  }
   std::string cause;
   const double per_sample_ratio = PerSampleUs(other, batch) / std::max(1e-9, PerSampleUs(win, batch));
   if (other.bubble_fraction() > win.bubble_fraction() + 0.02) {
@@ -109,10 +113,6 @@ std::string Versus(const PlanCandidate& win, const PlanCandidate& other, int64_t
     if (!cause.empty()) cause += ", and ";
     cause += absl::StrFormat("its compute per sample is %.2fx (smaller micro-batches, or workers sharing cores)",
                              per_sample_ratio);
-  }
-  if (gain < 0.005) {
-    return absl::StrFormat("%s: %.1f samples/s, as fast (the simpler plan is preferred)", Describe(other),
-                           other.samples_per_second());
   }
   if (cause.empty()) cause = "the slowest rank is busier";
   return absl::StrFormat("%s: %.1f samples/s, %.1f%% slower (%s)", Describe(other), other.samples_per_second(),

@@ -108,7 +108,6 @@ std::vector<int> CandidateSizes(int64_t batch, int also) {
   return sizes;
 }
 
-
 absl::StatusOr<ModelProfile> ProfileModel(const torch::jit::Module& model, const std::vector<c10::IValue>& batch,
                                           const ProfileOptions& options) {
   const Clock::time_point began = Clock::now();

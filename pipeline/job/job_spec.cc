@@ -179,7 +179,6 @@ absl::Status CheckEval(JobSpec* spec) {
   return absl::OkStatus();
 }
 
-
 // A spec with auto_plan: what it leaves to pippy is checked as far as it can be before
 // the choice; the fields still to be chosen stay unset (a chosen value is checked as
 // any value would be).
