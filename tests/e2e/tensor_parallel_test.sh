@@ -157,19 +157,20 @@ declare -A pid_of
 for i in $(seq 0 $((nworkers - 1))); do pid_of[w$i]=$(pgrep -f -- "--name w$i " | head -1); done
 wait_idle 8
 SGD=(--optimizer sgd --momentum 0.9 --lr 0.05)
-job=$(ctl submit "$ZOO/llama.pt" --data "$ZOO/llama.data.pt" --batch-size 8 --loss model "${SGD[@]}" --steps 300 \
+job=$(ctl submit "$ZOO/llama.pt" --data "$ZOO/llama.data.pt" --batch-size 8 --loss model "${SGD[@]}" --steps 1000 \
   --stages 2 --schedule 1f1b --microbatches 4 --tensor-parallel 2 --tp-plan "$PLAN" --checkpoint-every 20)
 for _ in $(seq 300); do [ "$(json_get "$job" "j.get('checkpoint_step', 0) >= 20")" = True ] && break; sleep 0.1; done
 victim=$(ctl workers --output json | /usr/bin/python3 -c \
   "import json,sys; print(next(w['name'] for w in json.load(sys.stdin)['workers'] if w.get('tp_rank', 0) == 1 and w.get('job_id') == '$job'))")
+at_kill=$(json_get "$job" "j['state'], j.get('step', 0)")
 kill -9 "${pid_of[$victim]}"
 ctl watch "$job" > "$TMP/recover.out" 2>&1
 state=$(json_get "$job" "j['state'], j.get('restarts', 0)")
 if [[ "$state" == "SUCCEEDED 1" ]] && ctl fetch "$job" -o "$TMP/recovered.pt" > /dev/null 2>&1 &&
-   /usr/bin/python3 "$CHECK" "$ZOO/llama.pt" "$ZOO/llama.data.pt" "$TMP/recovered.pt" --steps 300 --batch-size 8 \
+   /usr/bin/python3 "$CHECK" "$ZOO/llama.pt" "$ZOO/llama.data.pt" "$TMP/recovered.pt" --steps 1000 --batch-size 8 \
      --microbatches 4 --loss model "${SGD[@]}" --tolerance 1e-5 > "$TMP/recovered.check" 2>&1; then
   ok "shard-1 worker $victim killed: the job resumed from its checkpoint ($state) and equals the reference ($(tail -1 "$TMP/recovered.check"))"
 else
-  bad "resume: $state $(json_get "$job" "j.get('reason'), j.get('history')") $(tail -2 "$TMP/recovered.check" 2>/dev/null)"
+  bad "resume: $state (worker '$victim' killed at $at_kill) $(json_get "$job" "j.get('reason'), j.get('history')") $(tail -2 "$TMP/recovered.check" 2>/dev/null)"
 fi
 finish
